@@ -1,0 +1,992 @@
+"""
+DPPO — Divergence Proximal Policy Optimization, in one file.
+
+Qi et al., "Rethinking the Trust Region in LLM Reinforcement Learning", arXiv:2602.04879.
+
+PPO/GRPO decide whether a token may still be pushed by looking at one number, the ratio
+r_t = pi(a_t) / mu(a_t) of the sampled token. That ratio is a one-sample estimate of how far the whole
+next-token distribution moved: it over-reacts for rare tokens (0.001 -> 0.003 is r = 3 although the
+distribution barely moved) and under-reacts for frequent ones (0.99 -> 0.80 is r = 0.81, inside PPO's
+[0.8, 1.28], although the total variation is 0.19). DPPO keeps PPO's surrogate M_t * r_t * A_t but decides
+the mask M_t with an estimate of a real divergence (total variation or KL) between mu and pi.
+
+`python dppo.py` runs the whole thing on a laptop CPU in a few minutes: a tiny Llama-style model learns
+multi-digit addition, first by a short supervised warm start, then by DPPO. `python dppo.py --help` lists
+every flag; `--model` / `--task gsm8k` / `--use_vllm` is the single-GPU path for a real model.
+
+How this file departs from the paper / the usual GRPO trainer:
+  1. Two policies, not three: the importance weight and the divergence are both anchored to mu, the policy
+     that actually sampled, via log-probs captured at sampling time. No "old policy" forward is recomputed.
+  2. Loss aggregation is a token mean over the mini-batch (masked tokens stay in the denominator), as TRL's
+     DPPO did; the paper sums tokens per sequence and averages sequences.
+  3. Advantages are R - mean_group(R), not divided by the group std (the paper's choice); a flag adds the std.
+  4. The default task and model are toys built in code so that the run needs no network.
+
+Shapes used in comments: B = sequences in a batch (prompts x group size G), T = completion tokens,
+P = prompt tokens, K = top-K slots, V = vocabulary.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import inspect
+import json
+import math
+import os
+import random
+import re
+import signal
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Literal, Optional
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+# ----------------------------------------------------------------------------------------------------------
+# Configuration
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _f(default, help: str):
+    """A dataclass field carrying its --help text."""
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass
+class Config:
+    # --- run ---
+    out_dir: str = _f("runs/dppo", "Output directory: metrics.jsonl, curves.png, checkpoint.pt, model/.")
+    seed: int = _f(0, "Seeds Python, torch and the run's generator; same seed + config -> same metrics.")
+    device: str = _f("auto", "auto (cuda -> mps -> cpu), or a torch device string.")
+    steps: int = _f(60, "RL steps (one rollout batch each).")
+    eval_every: int = _f(10, "Evaluate held-out greedy accuracy every N steps (and at the first and last).")
+    save_every: int = _f(20, "Write checkpoint.pt every N steps (also on Ctrl-C and at the end).")
+    resume: bool = _f(False, "Continue from out_dir/checkpoint.pt exactly where it stopped.")
+    # --- task / model ---
+    task: Literal["addition", "gsm8k"] = _f("addition", "addition: embedded offline task; gsm8k: openai/gsm8k.")
+    digits: int = _f(2, "Addition: operands have up to this many digits.")
+    model: Optional[str] = _f(None, "Hugging Face id or local directory; default builds a tiny Llama in code.")
+    dtype: Literal["auto", "float32", "bfloat16"] = _f("auto", "Training dtype; auto = bf16 for --model on CUDA.")
+    warm_start_steps: int = _f(600, "Embedded model: supervised warm-start steps (stand in for pre-training).")
+    forget_carry: float = _f(0.6, "Warm start: share of examples that drop their carries, a misconception RL fixes.")
+    eval_size: int = _f(500, "Held-out prompts used for greedy accuracy.")
+    # --- rollout ---
+    prompts_per_step: int = _f(32, "Prompts sampled per RL step (P).")
+    group_size: int = _f(8, "Completions per prompt (G); advantages are relative within a group.")
+    max_new_tokens: Optional[int] = _f(None, "Completion budget; default: digits+2 for addition, 256 for gsm8k.")
+    temperature: float = _f(1.0, "Sampling temperature; the trainer divides logits by the same value.")
+    topk: int = _f(20, "K for top-K capture (used by topk_tv / topk_kl; the paper uses 20).")
+    rollout_dtype: Literal["float32", "bfloat16"] = _f(
+        "float32", "Sample with a copy of the policy in this dtype: bfloat16 creates a train/inference mismatch.")
+    use_vllm: bool = _f(False, "Sample with vLLM (GPU only, optional extra) instead of the HF sampling loop.")
+    # --- algorithm ---
+    loss: Literal["dppo", "ratio_clip"] = _f("dppo", "dppo, or the GRPO/PPO ratio-clip baseline.")
+    divergence: Literal["binary_tv", "binary_kl", "topk_tv", "topk_kl"] = _f("binary_tv", "DPPO divergence.")
+    delta_low: Optional[float] = _f(None, "Trust region for A<0 tokens; default 0.15 (TV) or 0.05 (KL).")
+    delta_high: Optional[float] = _f(None, "Trust region for A>0 tokens; default 0.15 (TV) or 0.05 (KL).")
+    eps_low: float = _f(0.2, "ratio_clip: lower clip 1-eps_low.")
+    eps_high: float = _f(0.28, "ratio_clip: upper clip 1+eps_high (Clip-Higher).")
+    ratio_cap: Optional[float] = _f(None, "Optional cap on the importance weight (truncated IS); paper: none.")
+    scale_adv_by_std: bool = _f(False, "Divide advantages by the group std (GRPO); the paper does not.")
+    # --- optimisation ---
+    lr: float = _f(1e-4, "AdamW learning rate.")
+    num_minibatches: int = _f(4, "Optimiser steps per rollout batch (M); > 1 makes updates off-policy.")
+    weight_decay: float = _f(0.0, "AdamW weight decay.")
+    max_grad_norm: float = _f(1.0, "Gradient clipping norm.")
+
+
+DIVERGENCE_DEFAULT_DELTA = {"tv": 0.15, "kl": 0.05}
+
+
+def validate_config(cfg: Config) -> None:
+    """Fail fast, before any model is built, with a message that says what was expected."""
+    errors = []
+    if cfg.steps < 0:
+        errors.append(f"steps must be >= 0, got {cfg.steps}")
+    if not 0 <= cfg.forget_carry <= 1:
+        errors.append(f"forget_carry must be in [0, 1], got {cfg.forget_carry}")
+    if cfg.warm_start_steps < 0:
+        errors.append(f"warm_start_steps must be >= 0, got {cfg.warm_start_steps}")
+    for name in ("eval_every", "save_every", "prompts_per_step", "num_minibatches", "digits", "eval_size"):
+        if getattr(cfg, name) < 1:
+            errors.append(f"{name} must be >= 1, got {getattr(cfg, name)}")
+    if cfg.group_size < 2:
+        errors.append(f"group_size must be >= 2 (advantages compare completions of a prompt), got {cfg.group_size}")
+    batch = cfg.prompts_per_step * cfg.group_size
+    if cfg.num_minibatches >= 1 and batch % cfg.num_minibatches:
+        errors.append(f"prompts_per_step*group_size = {batch} is not divisible into num_minibatches = "
+                      f"{cfg.num_minibatches}")
+    for name in ("delta_low", "delta_high", "eps_low", "eps_high"):
+        if getattr(cfg, name) is not None and getattr(cfg, name) < 0:
+            errors.append(f"{name} must be >= 0, got {getattr(cfg, name)}")
+    if cfg.ratio_cap is not None and cfg.ratio_cap <= 0:
+        errors.append(f"ratio_cap must be > 0, got {cfg.ratio_cap}")
+    if cfg.temperature <= 0:
+        errors.append(f"temperature must be > 0, got {cfg.temperature}")
+    if cfg.topk < 1 and cfg.divergence.startswith("topk"):
+        errors.append(f"{cfg.divergence} needs topk >= 1, got {cfg.topk}")
+    if cfg.lr <= 0:
+        errors.append(f"lr must be > 0, got {cfg.lr}")
+    if cfg.max_new_tokens is not None and cfg.max_new_tokens < 1:
+        errors.append(f"max_new_tokens must be >= 1, got {cfg.max_new_tokens}")
+    if cfg.task == "gsm8k" and cfg.model is None:
+        errors.append("--task gsm8k needs a real model: pass --model (a Hugging Face id or a directory)")
+    if cfg.model is not None and cfg.model.startswith((".", "/", "~")) and not os.path.isdir(
+            os.path.expanduser(cfg.model)):
+        errors.append(f"--model {cfg.model}: no such directory")
+    if cfg.resume and not os.path.exists(os.path.join(cfg.out_dir, "checkpoint.pt")):
+        errors.append(f"--resume: no checkpoint at {os.path.join(cfg.out_dir, 'checkpoint.pt')}")
+    if not errors:  # only now look at the vocabulary: a tokenizer or a config file, never the weights
+        vocab = _peek_vocab_size(cfg)
+        if cfg.topk > vocab:
+            errors.append(f"topk={cfg.topk} exceeds the vocabulary size {vocab}")
+    if errors:
+        raise ValueError("invalid configuration:\n  - " + "\n  - ".join(errors))
+
+
+def _peek_vocab_size(cfg: Config) -> int:
+    if cfg.model is None:
+        return len(build_char_tokenizer())
+    from transformers import AutoConfig
+    try:
+        model_cfg = AutoConfig.from_pretrained(os.path.expanduser(cfg.model))
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--model {cfg.model}: cannot load its config (not a model directory, and the hub is "
+                         f"unreachable or has no such model): {e}") from e
+    return model_cfg.get_text_config().vocab_size
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Utilities
+# ----------------------------------------------------------------------------------------------------------
+
+LOGP_FLOOR = -1e4      # log-probs below this are probability 0 in float32; the floor keeps differences finite
+LOG1M_GUARD = -1e-12   # log-probs are capped just below 0 so that log(1 - p) stays finite when p -> 1
+LOG_RATIO_CLAMP = 20.0  # |log pi - log mu| is clamped before exp so the weight never overflows
+
+
+def pick_device(name: str = "auto") -> torch.device:
+    if name != "auto":
+        return torch.device(name)
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+        return torch.device("mps")
+    return torch.device("cpu")
+
+
+def seed_everything(seed: int) -> torch.Generator:
+    random.seed(seed)
+    torch.manual_seed(seed)
+    return torch.Generator().manual_seed(seed)  # the run's own CPU generator: sampling, prompts, shuffles
+
+
+def _check_finite(**tensors) -> None:
+    for name, t in tensors.items():
+        if t is not None and not bool(torch.isfinite(t).all()):
+            raise ValueError(f"{name} contains NaN or inf; log-probs must be finite (drop or repair the sequence)")
+
+
+def _check_shape(name: str, t: torch.Tensor, shape: tuple) -> None:
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
+
+
+def _log1mexp(logp: torch.Tensor) -> torch.Tensor:
+    """log(1 - exp(logp)) for logp < 0, accurate at both ends (Maechler 2012)."""
+    return torch.where(logp > -math.log(2), torch.log(-torch.expm1(logp)), torch.log1p(-torch.exp(logp)))
+
+
+def _logp32(logp: torch.Tensor) -> torch.Tensor:
+    """float32 log-probs floored so that products and differences of probabilities never overflow."""
+    return logp.float().clamp(LOGP_FLOOR, 0.0)
+
+
+def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return (x * mask).sum() / mask.sum().clamp_min(1.0)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Toy task & model (offline default) and the real-model path
+# ----------------------------------------------------------------------------------------------------------
+
+CHARS = "".join(chr(c) for c in range(32, 127))  # printable ASCII: V = 97 with <pad> and <eos>
+
+
+def build_char_tokenizer():
+    """A character-level PreTrainedTokenizerFast built in code: <pad>=0, <eos>=1, one id per printable character."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<eos>": 1, **{c: i + 2 for i, c in enumerate(CHARS)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")  # every character is a token
+    tok.decoder = decoders.Fuse()                                              # decode without spaces
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", padding_side="left")
+
+
+def build_tiny_model(vocab_size: int, context: int = 32, seed: int = 0):
+    """A ~0.4M-parameter Llama-style decoder built from a config (no download)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=128, intermediate_size=384, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=context,
+                         pad_token_id=0, eos_token_id=1, bos_token_id=None, tie_word_embeddings=False)
+    return LlamaForCausalLM(config)
+
+
+def addition_dataset(digits: int, eval_size: int, seed: int):
+    """All a+b with a, b < 10**digits, zero-padded, as a datasets.Dataset with 'prompt', 'answer' and the
+    carry-free mistake 'forgot_carry'; a held-out 'test' split."""
+    from datasets import Dataset
+
+    n = 10 ** digits
+    pairs = [(a, b) for a in range(n) for b in range(n)]
+    # fixed width ("07+45=" -> "052") keeps digits aligned, which a 2-layer model learns far faster
+    ds = Dataset.from_dict({"prompt": [f"{a:0{digits}d}+{b:0{digits}d}=" for a, b in pairs],
+                            "answer": [f"{a + b:0{digits + 1}d}" for a, b in pairs],
+                            "forgot_carry": [_sum_without_carry(a, b, digits) for a, b in pairs]})
+    return ds.train_test_split(test_size=min(eval_size, len(ds) // 2), seed=seed)
+
+
+def _sum_without_carry(a: int, b: int, digits: int) -> str:
+    """The classic mistake: add digit by digit and drop every carry (17+25 -> '032')."""
+    return "0" + "".join(str((int(x) + int(y)) % 10) for x, y in zip(f"{a:0{digits}d}", f"{b:0{digits}d}"))
+
+
+def addition_reward(prompts, completions, answer, **kwargs) -> list[float]:
+    """1.0 when the completion is exactly the sum, else 0.0 (TRL reward-function signature)."""
+    return [float(c.strip() == a) for c, a in zip(completions, answer)]
+
+
+def _last_number(text: str) -> Optional[str]:
+    found = re.findall(r"-?\d[\d,]*\.?\d*", text.split("####")[-1])
+    return found[-1].replace(",", "").rstrip(".") if found else None
+
+
+def gsm8k_reward(prompts, completions, answer, **kwargs) -> list[float]:
+    """1.0 when the last number of the completion equals the reference after '####' (numeric compare)."""
+    def same(c, a):
+        got, ref = _last_number(c), _last_number(a)
+        try:
+            return got is not None and abs(float(got) - float(ref)) < 1e-6
+        except ValueError:
+            return False
+    return [float(same(c, a)) for c, a in zip(completions, answer)]
+
+
+def gsm8k_dataset(eval_size: int):
+    """openai/gsm8k (needs network or a local datasets cache) as 'prompt'/'answer' with train/test splits."""
+    from datasets import DatasetDict, load_dataset
+
+    raw = load_dataset("openai/gsm8k", "main")
+    suffix = "\nSolve step by step, then give the final answer as '#### <number>'."
+    fmt = lambda ex: {"prompt": ex["question"] + suffix, "answer": ex["answer"]}  # noqa: E731
+    return DatasetDict({"train": raw["train"].map(fmt), "test": raw["test"].select(range(min(eval_size, len(raw["test"])))).map(fmt)})
+
+
+def load_task(cfg: Config):
+    """-> (dataset dict, reward function, default max_new_tokens)."""
+    if cfg.task == "addition":
+        return addition_dataset(cfg.digits, cfg.eval_size, cfg.seed), addition_reward, cfg.digits + 2
+    return gsm8k_dataset(cfg.eval_size), gsm8k_reward, 256
+
+
+def load_model_and_tokenizer(cfg: Config, device: torch.device):
+    """--model: from_pretrained (Hugging Face id or directory); default: the tiny model + char tokenizer."""
+    if cfg.model is None:
+        tok = build_char_tokenizer()
+        return build_tiny_model(len(tok), seed=cfg.seed).to(device), tok
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = os.path.expanduser(cfg.model)
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(cfg.dtype)
+    if dtype is None:  # auto: bf16 weights on a GPU, float32 elsewhere
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    tok = AutoTokenizer.from_pretrained(path, padding_side="left")
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+    return model, tok
+
+
+def encode_prompts(tok, prompts: list[str], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded (B, P) ids and mask; the tokenizer's chat template is used when it has one."""
+    if getattr(tok, "chat_template", None):
+        prompts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                           add_generation_prompt=True) for p in prompts]
+    enc = tok(prompts, padding=True, return_tensors="pt", add_special_tokens=not getattr(tok, "chat_template", None))
+    return enc.input_ids.to(device), enc.attention_mask.to(device)
+
+
+def decode_completions(tok, rollout_ids: torch.Tensor, mask: torch.Tensor) -> list[str]:
+    return [tok.decode(ids[m.bool()].tolist(), skip_special_tokens=True) for ids, m in zip(rollout_ids, mask)]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Rollout: sample from mu = softmax(logits / T) and capture what mu was (SPEC §4-§5)
+# ----------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Rollout:
+    completion_ids: torch.Tensor    # (B, T) long, pad after the first EOS
+    completion_mask: torch.Tensor   # (B, T) float, 1 up to and including the first EOS
+    logp_mu: torch.Tensor           # (B, T) float32, tempered log mu(a_t)
+    topk_ids: Optional[torch.Tensor] = None      # (B, T, K) long, mu's top-K ids with a_t forced in
+    topk_logp_mu: Optional[torch.Tensor] = None  # (B, T, K) float32, tempered log mu on topk_ids
+    entropy: Optional[torch.Tensor] = None       # (B, T) float32, entropy of mu at each step (diagnostic)
+
+
+def _context_length(model) -> Optional[int]:
+    cfg = model.config
+    return getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
+
+
+def _vocab_size(model) -> int:
+    return model.get_output_embeddings().weight.shape[0]
+
+
+def _cache_kwarg(model) -> str:
+    """transformers 5 names the KV cache `cache`; 4.x called it `past_key_values`."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def _check_sampling_args(model, prompt_ids, prompt_mask, max_new_tokens, temperature, topk) -> None:
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0 (the trust region needs mu = softmax(logits/T)), got {temperature}")
+    if prompt_ids.dim() != 2 or prompt_ids.numel() == 0:
+        raise ValueError(f"prompt_ids must be a non-empty (B, P) tensor, got shape {tuple(prompt_ids.shape)}")
+    _check_shape("prompt_mask", prompt_mask, prompt_ids.shape)
+    if bool((prompt_mask.sum(-1) == 0).any()):
+        raise ValueError("every prompt needs at least one token; got an empty prompt (all-zero prompt_mask row)")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    V, ctx = _vocab_size(model), _context_length(model)
+    if not 0 <= topk <= V:
+        raise ValueError(f"topk must be in [0, V={V}], got {topk}")
+    if ctx is not None and prompt_ids.shape[1] + max_new_tokens > ctx:
+        raise ValueError(f"prompt length {prompt_ids.shape[1]} + max_new_tokens {max_new_tokens} exceeds the "
+                         f"model's context of {ctx} tokens")
+
+
+def _capture_topk(logp_full, tok, lp_tok, k):
+    """mu's top-K of one step with the sampled token forced into the last slot if it is not there already.
+    logp_full (B, V), tok (B,), lp_tok (B,) -> ids (B, K), log-probs (B, K)."""
+    vals, ids = logp_full.topk(k, dim=-1)                           # (B, K), sorted by rank
+    missing = ~(ids == tok[:, None]).any(-1)                        # (B,) a_t outside mu's top-K
+    ids[:, -1] = torch.where(missing, tok, ids[:, -1])
+    vals[:, -1] = torch.where(missing, lp_tok, vals[:, -1])
+    return ids, vals
+
+
+@torch.no_grad()  # sampling only records mu; gradients come from the training forward
+def sample_with_topk(model, prompt_ids, prompt_mask, *, max_new_tokens, temperature=1.0, topk=20,
+                     eos_token_id, pad_token_id, generator=None) -> Rollout:
+    """Sample completions from softmax(logits / T) over the full vocabulary (no top-p / top-k truncation),
+    recording log mu(a_t) and, for topk > 0, mu's top-K ids and log-probs. Prompts are left-padded (B, P).
+    Memory is O(B * T * K): each step's (B, V) distribution is reduced to K numbers and dropped."""
+    _check_sampling_args(model, prompt_ids, prompt_mask, max_new_tokens, temperature, topk)
+    was_training = model.training
+    model.eval()  # dropout off: mu must be the distribution the trainer will score
+    B, device = prompt_ids.shape[0], prompt_ids.device
+    gen_device = generator.device if generator is not None else device
+    attn = prompt_mask.long()                                   # (B, P)
+    position = (attn.cumsum(-1) - 1).clamp_min(0)               # (B, P) left padding -> positions from 0
+    cache_kw = _cache_kwarg(model)
+    out = model(input_ids=prompt_ids, attention_mask=attn, position_ids=position, use_cache=True)
+    next_pos = attn.sum(-1, keepdim=True)                       # (B, 1)
+    finished = torch.zeros(B, dtype=torch.bool, device=device)  # (B,)
+    toks, lps, ents, k_ids, k_lps = [], [], [], [], []
+    for _ in range(max_new_tokens):
+        logp_full = torch.log_softmax(out.logits[:, -1].float() / temperature, dim=-1)  # (B, V), this step only
+        probs = logp_full.exp()                                                       # (B, V)
+        tok = torch.multinomial(probs.to(gen_device), 1, generator=generator).squeeze(-1).to(device)  # (B,)
+        tok = torch.where(finished, torch.full_like(tok, pad_token_id), tok)
+        lp_tok = logp_full.gather(-1, tok[:, None]).squeeze(-1)                       # (B,)
+        toks.append(tok)
+        lps.append(lp_tok)
+        ents.append(-(probs * logp_full).sum(-1))                                     # (B,)
+        if topk > 0:
+            ids, vals = _capture_topk(logp_full, tok, lp_tok, topk)                   # (B, K) each
+            k_ids.append(ids)
+            k_lps.append(vals)
+        finished |= tok == eos_token_id
+        if bool(finished.all()):
+            break
+        attn = torch.cat([attn, torch.ones_like(attn[:, :1])], dim=-1)               # (B, P + t + 1)
+        out = model(input_ids=tok[:, None], attention_mask=attn, position_ids=next_pos,
+                    use_cache=True, **{cache_kw: getattr(out, cache_kw)})
+        next_pos = next_pos + 1
+    model.train(was_training)
+    ids = torch.stack(toks, 1)                                                        # (B, T)
+    mask = completion_mask_from_ids(ids, eos_token_id)                                # (B, T)
+    return Rollout(
+        completion_ids=torch.where(mask.bool(), ids, torch.full_like(ids, pad_token_id)),
+        completion_mask=mask,
+        logp_mu=torch.stack(lps, 1),                                                  # (B, T)
+        topk_ids=torch.stack(k_ids, 1) if topk > 0 else None,                         # (B, T, K)
+        topk_logp_mu=torch.stack(k_lps, 1) if topk > 0 else None,                     # (B, T, K)
+        entropy=torch.stack(ents, 1),                                                 # (B, T)
+    )
+
+
+def completion_mask_from_ids(ids: torch.Tensor, eos_token_id: int) -> torch.Tensor:
+    """1 for tokens up to and including the first EOS, 0 after; never `ids != pad` (pad often equals EOS)."""
+    is_eos = (ids == eos_token_id).long()                     # (B, T)
+    eos_before = is_eos.cumsum(-1) - is_eos                   # (B, T) EOS strictly before t
+    return (eos_before == 0).float()                          # (B, T)
+
+
+def _gather_logprobs(logits: torch.Tensor, ids: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log softmax(logits / T) at ids, as gather minus logsumexp in float32: (B, c, V), (B, c, J) -> (B, c, J)."""
+    z = logits.float() / temperature                  # (B, c, V) float32 copy of one chunk only
+    return z.gather(-1, ids) - z.logsumexp(-1, keepdim=True)
+
+
+def policy_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, *, temperature=1.0,
+                    topk_ids=None, chunk_bytes=2 ** 28):
+    """Training-time forward: log pi(a_t) (B, T) with gradient, and log pi on mu's top-K ids (B, T, K) without
+    gradient (None when topk_ids is None). Same tempering and position ids as the sampler."""
+    P, T = prompt_ids.shape[1], completion_ids.shape[1]
+    ids = torch.cat([prompt_ids, completion_ids], dim=1)                       # (B, P + T)
+    attn = torch.cat([prompt_mask.long(), completion_mask.long()], dim=1)      # (B, P + T)
+    position = (attn.cumsum(-1) - 1).clamp_min(0)                              # (B, P + T)
+    logits = model(input_ids=ids, attention_mask=attn, position_ids=position,
+                   logits_to_keep=T + 1).logits[:, :-1]                         # (B, T, V): logits before each a_t
+    targets = completion_ids[..., None]                                         # (B, T, 1)
+    if topk_ids is not None:
+        targets = torch.cat([targets, topk_ids], dim=-1)                        # (B, T, 1 + K)
+    B, _, V = logits.shape
+    step = max(1, chunk_bytes // (B * V * 4))  # time steps per chunk so that one float32 chunk ~ chunk_bytes
+    pieces = []
+    for s in range(0, T, step):
+        args = (logits[:, s:s + step], targets[:, s:s + step], temperature)
+        if torch.is_grad_enabled() and logits.requires_grad:
+            # recompute the chunk in backward instead of keeping its float32 copy alive: O(B*c*V), not O(B*T*V)
+            pieces.append(checkpoint(_gather_logprobs, *args, use_reentrant=False))
+        else:
+            pieces.append(_gather_logprobs(*args))
+    out = torch.cat(pieces, dim=1)                                              # (B, T, 1 + K)
+    topk_logp = out[..., 1:].detach() if topk_ids is not None else None         # (B, T, K): pi at mu's ids, a constant
+    return out[..., 0], topk_logp
+
+
+# --- optional vLLM backend (GPU only; imported lazily) ------------------------------------------------------
+
+
+def vllm_logprobs_to_tensors(position_logprobs, sampled_ids, k):
+    """Convert vLLM's per-position {token_id: Logprob(logprob, rank, ...)} dicts into fixed-size tensors.
+
+    Each dict holds K or K+1 entries (the sampled token is always present). Entries are ordered by rank, the
+    sampled token is forced into the last slot when it is not among the top K. Returns
+    logp (T,), topk_ids (T, K), topk_logp (T, K); k = 0 returns None for the top-K tensors. NaN raises."""
+    T = len(sampled_ids)
+    if len(position_logprobs) != T:
+        raise ValueError(f"{len(position_logprobs)} log-prob dicts for {T} sampled tokens")
+    logp, ids, vals = torch.empty(T), torch.empty(T, max(k, 1), dtype=torch.long), torch.empty(T, max(k, 1))
+    for t, (entries, tok) in enumerate(zip(position_logprobs, sampled_ids)):
+        if tok not in entries:
+            raise ValueError(f"position {t}: the sampled token {tok} is missing from vLLM's log-probs")
+        if any(math.isnan(e.logprob) for e in entries.values()):
+            raise ValueError(f"position {t}: vLLM returned a NaN log-prob; drop or resample this sequence")
+        logp[t] = entries[tok].logprob
+        if k == 0:
+            continue
+        ranked = sorted(entries.items(), key=lambda kv: kv[1].rank)[:k]   # best first
+        if len(ranked) < k:
+            raise ValueError(f"position {t}: {len(entries)} log-probs returned, need K = {k}")
+        if tok not in [tid for tid, _ in ranked]:
+            ranked[-1] = (tok, entries[tok])                              # SPEC §3: a_t overwrites slot K
+        ids[t] = torch.tensor([tid for tid, _ in ranked])
+        vals[t] = torch.tensor([e.logprob for _, e in ranked])
+    return logp, (ids if k else None), (vals if k else None)
+
+
+class VLLMSampler:
+    """Rollouts from a vLLM engine in this process, with the trained weights pushed in before each batch."""
+
+    def __init__(self, model_name_or_path: str, *, topk: int, max_model_len: int, max_logprobs: int = 20,
+                 gpu_memory_utilization: float = 0.3, dtype: str = "bfloat16"):
+        if topk > max_logprobs:
+            raise ValueError(f"topk={topk} exceeds vLLM's max_logprobs={max_logprobs}; raise max_logprobs")
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # same process, so weights can be pushed
+        try:
+            from vllm import LLM
+        except ImportError as e:
+            raise ImportError("--use_vllm needs the optional extra: pip install vllm (GPU only)") from e
+        self.topk = topk
+        self.llm = LLM(model=model_name_or_path, dtype=dtype, max_model_len=max_model_len,
+                       max_logprobs=max_logprobs, logprobs_mode="processed_logprobs",  # tempered log-probs
+                       gpu_memory_utilization=gpu_memory_utilization, enable_prefix_caching=True)
+
+    def load_weights(self, model) -> None:
+        weights = [(name, p.detach()) for name, p in model.state_dict().items()]
+        engine = self.llm.llm_engine
+        try:
+            engine.model_executor.driver_worker.worker.model_runner.model.load_weights(weights)
+        except AttributeError:
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        self.llm.reset_prefix_cache()  # every group shares a prompt: a stale prefix cache serves old weights
+
+    def sample(self, prompt_token_lists, *, max_new_tokens, temperature, eos_token_id, pad_token_id, seed=0):
+        from vllm import SamplingParams
+        params = SamplingParams(temperature=temperature, top_p=1.0, max_tokens=max_new_tokens,
+                                logprobs=self.topk, seed=seed)  # top_k left at its default: no truncation
+        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompt_token_lists], params, use_tqdm=False)
+        rows = [vllm_logprobs_to_tensors(o.outputs[0].logprobs, list(o.outputs[0].token_ids), self.topk)
+                for o in outs]
+        seqs = [list(o.outputs[0].token_ids) for o in outs]
+        return rollout_from_sequences(seqs, rows, eos_token_id, pad_token_id)
+
+
+def rollout_from_sequences(seqs, rows, eos_token_id, pad_token_id) -> Rollout:
+    """Pad per-sequence (ids, logp, topk_ids, topk_logp) into a Rollout."""
+    B, T = len(seqs), max(len(s) for s in seqs)
+    ids = torch.full((B, T), pad_token_id, dtype=torch.long)
+    logp = torch.zeros(B, T)
+    k = rows[0][1].shape[1] if rows[0][1] is not None else 0
+    topk_ids = torch.zeros(B, T, max(k, 1), dtype=torch.long)
+    topk_logp = torch.zeros(B, T, max(k, 1))
+    for b, (s, (lp, ti, tl)) in enumerate(zip(seqs, rows)):
+        ids[b, :len(s)], logp[b, :len(s)] = torch.tensor(s), lp
+        if k:
+            topk_ids[b, :len(s)], topk_logp[b, :len(s)] = ti, tl
+    mask = completion_mask_from_ids(ids, eos_token_id) * (torch.arange(T) < torch.tensor([len(s) for s in seqs])[:, None])
+    return Rollout(ids, mask.float(), logp, topk_ids if k else None, topk_logp if k else None)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Divergence estimates (SPEC §3): D(mu || pi) per token, (B, T) -> (B, T)
+# ----------------------------------------------------------------------------------------------------------
+
+
+def binary_tv(logp: torch.Tensor, logp_mu: torch.Tensor) -> torch.Tensor:
+    """Binary TV, paper Eq. 13: D = |mu(a_t) - pi(a_t)| (TV of {a_t, rest}; the 1/2 cancels)."""
+    return (_logp32(logp).exp() - _logp32(logp_mu).exp()).abs()  # (B, T)
+
+
+def binary_kl(logp: torch.Tensor, logp_mu: torch.Tensor) -> torch.Tensor:
+    """Binary KL, paper Eq. 14: D = mu log(mu/pi) + (1-mu) log((1-mu)/(1-pi)), mu,pi of the sampled token."""
+    lq, lp = _logp32(logp).clamp_max(LOG1M_GUARD), _logp32(logp_mu).clamp_max(LOG1M_GUARD)  # pi, mu; (B, T)
+    p_mu, p_rest = lp.exp(), -torch.expm1(lp)  # mu(a_t) and 1 - mu(a_t), the latter without cancellation
+    kl = p_mu * (lp - lq) + p_rest * (_log1mexp(lp) - _log1mexp(lq))  # (B, T)
+    return kl.clamp_min(0.0)  # >= 0 mathematically; rounding can leave -1e-9
+
+
+def _topk_buckets(topk_logp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, T, K) log-probs on A'_t -> (B, T, K+1) probs and log-probs with the 'other' bucket appended."""
+    lp = _logp32(topk_logp)                                                           # (B, T, K)
+    other = (-torch.expm1(lp.logsumexp(-1, keepdim=True).clamp_max(0.0))).clamp_min(1e-12)  # (B, T, 1)
+    logs = torch.cat([lp, other.log()], dim=-1)                                       # (B, T, K+1)
+    return logs.exp(), logs
+
+
+def topk_tv(topk_logp: torch.Tensor, topk_logp_mu: torch.Tensor) -> torch.Tensor:
+    """Top-K TV, paper Eq. 15: 1/2 sum over A'_t + {other} of |mu - pi|; A'_t = TopK(mu) with a_t forced in."""
+    p, _ = _topk_buckets(topk_logp)      # (B, T, K+1)
+    p_mu, _ = _topk_buckets(topk_logp_mu)  # (B, T, K+1)
+    return 0.5 * (p_mu - p).abs().sum(-1)  # (B, T)
+
+
+def topk_kl(topk_logp: torch.Tensor, topk_logp_mu: torch.Tensor) -> torch.Tensor:
+    """Top-K KL, paper Eq. 16: sum over A'_t + {other} of mu (log mu - log pi)."""
+    _, logs = _topk_buckets(topk_logp)           # (B, T, K+1)
+    p_mu, logs_mu = _topk_buckets(topk_logp_mu)  # (B, T, K+1)
+    return (p_mu * (logs_mu - logs)).sum(-1).clamp_min(0.0)  # (B, T)
+
+
+def exact_tv(logp_full: torch.Tensor, logp_mu_full: torch.Tensor) -> torch.Tensor:
+    """Ground truth: 1/2 sum_v |mu(v) - pi(v)| over the full vocabulary, (B, T, V) -> (B, T)."""
+    return 0.5 * (_logp32(logp_mu_full).exp() - _logp32(logp_full).exp()).abs().sum(-1)
+
+
+def exact_kl(logp_full: torch.Tensor, logp_mu_full: torch.Tensor) -> torch.Tensor:
+    """Ground truth: KL(mu || pi) = sum_v mu(v) (log mu(v) - log pi(v)), (B, T, V) -> (B, T)."""
+    lp, lq = _logp32(logp_mu_full), _logp32(logp_full)
+    return (lp.exp() * (lp - lq)).sum(-1).clamp_min(0.0)
+
+
+DIVERGENCES = {"binary_tv": binary_tv, "binary_kl": binary_kl, "topk_tv": topk_tv, "topk_kl": topk_kl}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Trust-region mask (SPEC §2, paper Eq. 12)
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _per_token(advantages: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """(B,) or (B, T) advantages -> (B, T) float32."""
+    adv = advantages.float()
+    return adv[:, None].expand_as(like) if adv.dim() == 1 else adv
+
+
+@torch.no_grad()  # the mask is a constant of the loss: it must carry no gradient
+def trust_region_mask(logp, logp_mu, advantages, divergence, delta_low, delta_high) -> torch.Tensor:
+    """M_t = 0 where the update pushes the sampled token further from mu and D_t exceeds delta:
+    A>0, pi(a_t)>mu(a_t), D_t>delta_high  or  A<0, pi(a_t)<mu(a_t), D_t>delta_low; 1 otherwise. -> (B, T) float.
+    """
+    adv = _per_token(advantages, logp)          # (B, T)
+    lp, lmu = logp.float(), logp_mu.float()     # (B, T) direction is judged on the sampled token
+    up = (adv > 0) & (lp > lmu) & (divergence > delta_high)
+    down = (adv < 0) & (lp < lmu) & (divergence > delta_low)
+    return (~(up | down)).float()               # (B, T)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Losses: DPPO and the ratio-clip baseline, same aggregation and metric names
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _validate_loss_inputs(logp, logp_mu, advantages, completion_mask, **extra) -> None:
+    if logp.dim() != 2:
+        raise ValueError(f"logp must be (B, T), got shape {tuple(logp.shape)}")
+    _check_shape("logp_mu", logp_mu, logp.shape)
+    _check_shape("completion_mask", completion_mask, logp.shape)
+    if advantages.shape not in (logp.shape[:1], logp.shape):
+        raise ValueError(f"advantages must be (B,) = {tuple(logp.shape[:1])} or (B, T) = {tuple(logp.shape)}, "
+                         f"got {tuple(advantages.shape)}")
+    _check_finite(logp=logp, logp_mu=logp_mu, advantages=advantages, **extra)
+
+
+def _loss_metrics(lp, lmu, adv, valid, kept, div) -> dict:
+    """Plain-float diagnostics over valid tokens; counts let a caller average over mini-batches exactly."""
+    pos, neg, cut = valid * (adv > 0), valid * (adv < 0), valid * (1 - kept)
+    dp = (lp.exp() - lmu.exp()).abs()  # (B, T) |pi(a_t) - mu(a_t)|
+    n, n_pos, n_neg = valid.sum(), pos.sum(), neg.sum()
+    return {
+        "masked_frac": float(cut.sum() / n.clamp_min(1)),
+        "masked_frac_pos": float((cut * pos).sum() / n_pos.clamp_min(1)),
+        "masked_frac_neg": float((cut * neg).sum() / n_neg.clamp_min(1)),
+        "abs_dp_mean": float(_masked_mean(dp, valid)),
+        "abs_dp_max": float((dp * valid).max()) if dp.numel() else 0.0,
+        "divergence": float(_masked_mean(div, valid)),
+        "ratio": float(_masked_mean((lp - lmu).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp(), valid)),
+        "tokens": float(n), "tokens_pos": float(n_pos), "tokens_neg": float(n_neg),
+    }
+
+
+def dppo_loss(logp, logp_mu, advantages, completion_mask, *, divergence_type="binary_tv", delta_low=None,
+              delta_high=None, topk_logp=None, topk_logp_mu=None, ratio_cap=None):
+    """DPPO loss (paper Eq. 12): minimise -mean_t[ M_t * sg(w_t) * A_t * log pi(a_t) ], w_t = pi(a_t)/mu(a_t).
+
+    The gradient equals that of the surrogate M_t * r_t * A_t. Aggregation: token mean over the valid tokens of
+    the batch (masked tokens stay in the denominator). logp (B, T) carries the gradient; logp_mu (B, T) is mu's
+    captured log-prob; advantages (B,) or (B, T); completion_mask (B, T); topk_* (B, T, K) for topk_ types.
+    Returns (loss, metrics) with plain-float metrics.
+    """
+    if divergence_type not in DIVERGENCES:
+        raise ValueError(f"divergence_type must be one of {sorted(DIVERGENCES)}, got {divergence_type!r}")
+    default = DIVERGENCE_DEFAULT_DELTA[divergence_type.split("_")[1]]
+    delta_low = default if delta_low is None else delta_low
+    delta_high = default if delta_high is None else delta_high
+    if delta_low < 0 or delta_high < 0:
+        raise ValueError(f"delta_low and delta_high must be >= 0, got {delta_low} and {delta_high}")
+    if ratio_cap is not None and ratio_cap <= 0:
+        raise ValueError(f"ratio_cap must be > 0 or None, got {ratio_cap}")
+    _validate_loss_inputs(logp, logp_mu, advantages, completion_mask, topk_logp=topk_logp, topk_logp_mu=topk_logp_mu)
+    if divergence_type.startswith("topk"):
+        if topk_logp is None or topk_logp_mu is None:
+            raise ValueError(f"{divergence_type} needs topk_logp and topk_logp_mu, (B, T, K) each")
+        if topk_logp.dim() != 3 or topk_logp.shape[:2] != logp.shape:
+            raise ValueError(f"topk_logp must be (B, T, K) with (B, T) = {tuple(logp.shape)}, "
+                             f"got {tuple(topk_logp.shape)}")
+        if topk_logp_mu.shape != topk_logp.shape:
+            raise ValueError(f"topk_logp_mu must have the same (B, T, K) as topk_logp {tuple(topk_logp.shape)}, "
+                             f"got {tuple(topk_logp_mu.shape)}")
+        div = DIVERGENCES[divergence_type](topk_logp.detach(), topk_logp_mu)  # (B, T)
+    else:
+        div = DIVERGENCES[divergence_type](logp.detach(), logp_mu)            # (B, T)
+
+    lp, lmu = _logp32(logp), _logp32(logp_mu)                  # (B, T) float32; lp keeps its gradient
+    adv, valid = _per_token(advantages, lp), completion_mask.float()  # (B, T)
+    kept = trust_region_mask(lp, lmu, adv, div, delta_low, delta_high)  # (B, T), no gradient
+    with torch.no_grad():  # sg(w): the weight scales the gradient but is not differentiated
+        w = (lp - lmu).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()   # (B, T)
+        if ratio_cap is not None:
+            w = w.clamp_max(ratio_cap)
+    loss = _masked_mean(-adv * w * kept * lp, valid)
+    return loss, _loss_metrics(lp.detach(), lmu, adv, valid, kept, div)
+
+
+def ratio_clip_loss(logp, logp_mu, advantages, completion_mask, *, eps_low=0.2, eps_high=0.28):
+    """GRPO / PPO-Clip-Higher baseline: minimise -mean_t[ min(r_t A_t, clip(r_t, 1-eps_low, 1+eps_high) A_t) ].
+
+    Same anchor (mu, captured at sampling), aggregation (token mean) and metric names as dppo_loss; its
+    'masked' tokens are the clipped ones (zero gradient) and its 'divergence' is |r_t - 1|.
+    """
+    if eps_low < 0 or eps_high < 0:
+        raise ValueError(f"eps_low and eps_high must be >= 0, got {eps_low} and {eps_high}")
+    _validate_loss_inputs(logp, logp_mu, advantages, completion_mask)
+    lp, lmu = _logp32(logp), _logp32(logp_mu)                        # (B, T)
+    adv, valid = _per_token(advantages, lp), completion_mask.float()  # (B, T)
+    ratio = (lp - lmu).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()  # (B, T), differentiable
+    unclipped, clipped = ratio * adv, ratio.clamp(1 - eps_low, 1 + eps_high) * adv
+    loss = _masked_mean(-torch.minimum(unclipped, clipped), valid)
+    with torch.no_grad():
+        kept = (clipped >= unclipped).float()  # 0 where the clipped branch wins: no gradient flows there
+        div = (ratio - 1).abs()
+    return loss, _loss_metrics(lp.detach(), lmu, adv, valid, kept, div)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Advantages
+# ----------------------------------------------------------------------------------------------------------
+
+
+def group_advantages(rewards: torch.Tensor, group_size: int, scale_by_std: bool = False) -> torch.Tensor:
+    """A_i = R_i - mean of R over the G completions of the same prompt (optionally / std); (B,) -> (B,).
+    Rewards are laid out prompt-major: rows [g*G, (g+1)*G) share a prompt."""
+    if rewards.dim() != 1:
+        raise ValueError(f"rewards must be (B,), got shape {tuple(rewards.shape)}")
+    if group_size < 2 or rewards.numel() % group_size:
+        raise ValueError(f"group_size must be >= 2 and divide the batch size {rewards.numel()}, got {group_size}")
+    _check_finite(rewards=rewards)
+    r = rewards.float().view(-1, group_size)              # (B/G, G)
+    adv = r - r.mean(dim=1, keepdim=True)                 # (B/G, G)
+    if scale_by_std:
+        adv = adv / (r.std(dim=1, keepdim=True) + 1e-6)   # equal rewards: 0 / eps = 0, never NaN
+    return adv.view(-1)                                   # (B,)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Training: warm start, evaluation, one DPPO step, the loop
+# ----------------------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def evaluate(model, tok, ds, reward_fn, max_new_tokens, batch_size=500) -> float:
+    """Held-out greedy accuracy (mean reward of the argmax completion)."""
+    was_training = model.training
+    model.eval()
+    scores = []
+    for s in range(0, len(ds), batch_size):
+        rows = ds[s:s + batch_size]
+        ids, mask = encode_prompts(tok, rows["prompt"], model.device)
+        out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new_tokens,
+                             pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)[:, ids.shape[1]:]
+        done = completion_mask_from_ids(out, tok.eos_token_id)  # (B, T)
+        scores += reward_fn(rows["prompt"], decode_completions(tok, out, done), **{k: v for k, v in rows.items() if k != "prompt"})
+    model.train(was_training)
+    return sum(scores) / max(1, len(scores))
+
+
+def _answer_ids(tok, answers: list[str], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded (B, T) ids of answer + EOS and their mask, for the supervised warm start."""
+    seqs = [ids + [tok.eos_token_id] for ids in tok(answers, add_special_tokens=False).input_ids]
+    T = max(len(s) for s in seqs)
+    ids = torch.tensor([s + [tok.pad_token_id] * (T - len(s)) for s in seqs], device=device)      # (B, T)
+    mask = torch.tensor([[1.0] * len(s) + [0.0] * (T - len(s)) for s in seqs], device=device)      # (B, T)
+    return ids, mask
+
+
+def warm_start(model, tok, ds, cfg: Config, gen, batch_size=128) -> int:
+    """Supervised training that stands in for pre-training. A share cfg.forget_carry of the targets make the
+    classic mistake (carries dropped), so the policy learns addition with a misconception: correct without
+    carries, often wrong with them. That is the partial competence RL starts from."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for _ in range(cfg.warm_start_steps):
+        rows = ds["train"][torch.randint(len(ds["train"]), (batch_size,), generator=gen).tolist()]
+        forget = torch.rand(batch_size, generator=gen) < cfg.forget_carry
+        targets = [w if f else a for a, w, f in zip(rows["answer"], rows["forgot_carry"], forget.tolist())]
+        p_ids, p_mask = encode_prompts(tok, rows["prompt"], model.device)
+        c_ids, c_mask = _answer_ids(tok, targets, model.device)
+        logp, _ = policy_logprobs(model, p_ids, p_mask, c_ids, c_mask)
+        loss = -_masked_mean(logp, c_mask)  # cross-entropy on the answer tokens
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    return cfg.warm_start_steps
+
+
+def _merge_metrics(parts: list[dict]) -> dict:
+    """Average mini-batch metrics over the whole batch (token-weighted), never just the last mini-batch."""
+    def wavg(key, weight):
+        w = sum(p[weight] for p in parts)
+        return sum(p[key] * p[weight] for p in parts) / w if w else 0.0
+    out = {k: wavg(k, "tokens") for k in ("masked_frac", "abs_dp_mean", "divergence", "ratio")}
+    out["masked_frac_pos"], out["masked_frac_neg"] = wavg("masked_frac_pos", "tokens_pos"), wavg("masked_frac_neg", "tokens_neg")
+    out["abs_dp_max"] = max(p["abs_dp_max"] for p in parts)
+    return out
+
+
+def rl_step(model, opt, tok, rows, reward_fn, cfg: Config, gen, sample_gen, sampler, max_new_tokens) -> dict:
+    """One DPPO step: sample P x G with capture (mu) -> rewards -> advantages -> M updates against the same mu."""
+    G, device = cfg.group_size, model.device
+    prompts = [p for p in rows["prompt"] for _ in range(G)]                    # prompt-major groups, B = P * G
+    extra = {k: [v for v in vals for _ in range(G)] for k, vals in rows.items() if k != "prompt"}
+    prompt_ids, prompt_mask = encode_prompts(tok, prompts, device)            # (B, P)
+    topk = cfg.topk if cfg.loss == "dppo" and cfg.divergence.startswith("topk") else 0
+    t0 = time.time()
+    if isinstance(sampler, VLLMSampler):
+        sampler.load_weights(model)
+        lists = [ids[m.bool()].tolist() for ids, m in zip(prompt_ids, prompt_mask)]
+        seed = int(torch.randint(2 ** 31, (1,), generator=gen))
+        ro = sampler.sample(lists, max_new_tokens=max_new_tokens, temperature=cfg.temperature,
+                            eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, seed=seed)
+        ro = Rollout(**{k: (v.to(device) if v is not None else None) for k, v in vars(ro).items()})
+    else:
+        if sampler is not model:  # e.g. a bf16 copy: sync it with the policy it stands for
+            sampler.load_state_dict(model.state_dict())
+        ro = sample_with_topk(sampler, prompt_ids, prompt_mask, max_new_tokens=max_new_tokens,
+                              temperature=cfg.temperature, topk=topk, eos_token_id=tok.eos_token_id,
+                              pad_token_id=tok.pad_token_id, generator=sample_gen)
+    t_sample = time.time() - t0
+    completions = decode_completions(tok, ro.completion_ids, ro.completion_mask)
+    rewards = torch.tensor(reward_fn(prompts, completions, **extra), dtype=torch.float32)   # (B,)
+    adv = group_advantages(rewards, G, cfg.scale_adv_by_std).to(device)                    # (B,)
+
+    model.train()
+    parts = []
+    for idx in torch.randperm(len(prompts), generator=gen).chunk(cfg.num_minibatches):    # M mini-batches
+        idx = idx.to(device)
+        logp, topk_logp = policy_logprobs(
+            model, prompt_ids[idx], prompt_mask[idx], ro.completion_ids[idx], ro.completion_mask[idx],
+            temperature=cfg.temperature, topk_ids=ro.topk_ids[idx] if topk else None)  # (b, T), (b, T, K)
+        if cfg.loss == "dppo":
+            loss, m = dppo_loss(logp, ro.logp_mu[idx], adv[idx], ro.completion_mask[idx],
+                                divergence_type=cfg.divergence, delta_low=cfg.delta_low, delta_high=cfg.delta_high,
+                                topk_logp=topk_logp, topk_logp_mu=ro.topk_logp_mu[idx] if topk else None,
+                                ratio_cap=cfg.ratio_cap)
+        else:
+            loss, m = ratio_clip_loss(logp, ro.logp_mu[idx], adv[idx], ro.completion_mask[idx],
+                                      eps_low=cfg.eps_low, eps_high=cfg.eps_high)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+        opt.step()
+        parts.append(m)
+    mask = ro.completion_mask
+    return {"reward": float(rewards.mean()), **_merge_metrics(parts),
+            "entropy": float(_masked_mean(ro.entropy, mask)) if ro.entropy is not None else float("nan"),
+            "completion_len": float(mask.sum(-1).mean()), "sample_seconds": t_sample}
+
+
+def save_checkpoint(path, step, model, opt, gen, sample_gen) -> None:
+    state = {"step": step, "model": model.state_dict(), "optim": opt.state_dict(), "gen": gen.get_state(),
+             "sample_gen": sample_gen.get_state(), "python_random": random.getstate()}
+    torch.save(state, path + ".tmp")
+    os.replace(path + ".tmp", path)  # atomic: an interrupted save never leaves a half-written checkpoint
+
+
+def plot_metrics(jsonl_path: str, png_path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [json.loads(line) for line in open(jsonl_path)]
+    fig, axes = plt.subplots(2, 3, figsize=(13, 6.5))
+    panels = [("reward & held-out accuracy", ["reward", "acc"]), ("masked fraction", ["masked_frac_pos", "masked_frac_neg"]),
+              ("mean |pi(a) - mu(a)|", ["abs_dp_mean"]), ("mean divergence", ["divergence"]),
+              ("entropy of mu (nats)", ["entropy"]), ("completion length (tokens)", ["completion_len"])]
+    for ax, (title, keys) in zip(axes.flat, panels):
+        for k in keys:
+            pts = [(r["step"], r[k]) for r in rows if k in r]
+            ax.plot(*zip(*pts), marker="o" if k == "acc" else None, ms=3, label=k) if pts else None
+        ax.set_title(title)
+        ax.set_xlabel("RL step")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=110)
+    plt.close(fig)
+
+
+def train(cfg: Config) -> dict:
+    """Run DPPO (or the ratio-clip baseline) end to end; returns a summary with the start and end accuracy."""
+    validate_config(cfg)
+    device = pick_device(cfg.device)
+    gen = seed_everything(cfg.seed)
+    sample_gen = gen if device.type == "cpu" else torch.Generator(device=device).manual_seed(cfg.seed + 1)
+    ds, reward_fn, default_len = load_task(cfg)
+    max_new_tokens = cfg.max_new_tokens or default_len
+    model, tok = load_model_and_tokenizer(cfg, device)
+    os.makedirs(cfg.out_dir, exist_ok=True)
+    ckpt_path, log_path = os.path.join(cfg.out_dir, "checkpoint.pt"), os.path.join(cfg.out_dir, "metrics.jsonl")
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+    start = 0
+    if cfg.resume:
+        state = torch.load(ckpt_path, weights_only=False)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optim"])
+        gen.set_state(state["gen"])
+        sample_gen.set_state(state["sample_gen"])
+        random.setstate(state["python_random"])
+        start = state["step"]
+        kept = [line for line in open(log_path) if json.loads(line)["step"] <= start]
+        open(log_path, "w").writelines(kept)  # drop lines logged after the checkpoint
+        acc0 = json.loads(kept[0])["acc"]
+        print(f"resumed from step {start} ({ckpt_path})")
+    else:
+        ws_steps = 0
+        if cfg.model is None:
+            ws_steps = warm_start(model, tok, ds, cfg, gen)
+        acc0 = evaluate(model, tok, ds["test"], reward_fn, max_new_tokens)
+        with open(log_path, "w") as f:
+            f.write(json.dumps({"step": 0, "acc": acc0, "warm_start_steps": ws_steps}) + "\n")
+        print(f"held-out greedy accuracy at start: {acc0:.3f}" + (f" (after {ws_steps} warm-start steps)" if ws_steps else ""))
+
+    if cfg.use_vllm:
+        sampler = VLLMSampler(cfg.model, topk=cfg.topk, max_model_len=4096)
+    elif cfg.rollout_dtype == "bfloat16" and next(model.parameters()).dtype != torch.bfloat16:
+        sampler = copy.deepcopy(model).to(torch.bfloat16)  # inference engine in bf16, trainer in float32
+    else:
+        sampler = model
+
+    stop = {"requested": False}  # first Ctrl-C: finish the step, save, exit; second: stop at once
+    def on_sigint(signum, frame):
+        if stop["requested"]:
+            raise KeyboardInterrupt
+        stop["requested"] = True
+        print("\nCtrl-C: finishing this step, then saving a checkpoint (press again to abort)", file=sys.stderr)
+    with contextlib.suppress(ValueError):  # signal handlers can only be set from the main thread
+        old_handler = signal.signal(signal.SIGINT, on_sigint)
+
+    from tqdm.auto import tqdm
+    acc, step = acc0, start
+    bar = tqdm(range(start + 1, cfg.steps + 1), initial=start, total=cfg.steps, desc="dppo", dynamic_ncols=True)
+    try:
+        for step in bar:
+            t0 = time.time()
+            rows = ds["train"][torch.randint(len(ds["train"]), (cfg.prompts_per_step,), generator=gen).tolist()]
+            m = {"step": step, **rl_step(model, opt, tok, rows, reward_fn, cfg, gen, sample_gen, sampler, max_new_tokens)}
+            if step % cfg.eval_every == 0 or step == cfg.steps:
+                acc = m["acc"] = evaluate(model, tok, ds["test"], reward_fn, max_new_tokens)
+            m["seconds"] = time.time() - t0
+            with open(log_path, "a") as f:
+                f.write(json.dumps(m) + "\n")  # one flushed line per step
+            bar.write(f"step {step:4d} | reward {m['reward']:.3f} | acc {acc:.3f} | masked +{m['masked_frac_pos']:.3f}"
+                      f" -{m['masked_frac_neg']:.3f} | |pi-mu| {m['abs_dp_mean']:.4f} (max {m['abs_dp_max']:.3f}) | "
+                      f"D {m['divergence']:.4f} | H {m['entropy']:.3f} | len {m['completion_len']:.1f} | {m['seconds']:.1f}s")
+            if step % cfg.save_every == 0 or stop["requested"]:
+                save_checkpoint(ckpt_path, step, model, opt, gen, sample_gen)
+            if stop["requested"]:
+                print(f"stopped at step {step}; continue with --resume --out_dir {cfg.out_dir}", file=sys.stderr)
+                break
+    finally:
+        bar.close()
+        with contextlib.suppress(ValueError, NameError):
+            signal.signal(signal.SIGINT, old_handler)
+    save_checkpoint(ckpt_path, step, model, opt, gen, sample_gen)
+    model.save_pretrained(os.path.join(cfg.out_dir, "model"))
+    tok.save_pretrained(os.path.join(cfg.out_dir, "model"))
+    plot_metrics(log_path, os.path.join(cfg.out_dir, "curves.png"))
+    print(f"held-out greedy accuracy: {acc0:.3f} -> {acc:.3f} after {step} steps; outputs in {cfg.out_dir}/")
+    return {"acc_start": acc0, "acc_end": acc, "steps": step, "out_dir": cfg.out_dir}
+
+
+# ----------------------------------------------------------------------------------------------------------
+
+if __name__ == "__main__":
+    from transformers import HfArgumentParser
+
+    (config,) = HfArgumentParser(Config).parse_args_into_dataclasses()
+    try:
+        validate_config(config)
+    except ValueError as e:
+        sys.exit(f"error: {e}")
+    train(config)

@@ -1,0 +1,716 @@
+"""Tests for dppo.py: every formula against an independent reference (float64 brute force over the full
+vocabulary, autograd, hand-computed values) or a property. Run: HF_HUB_OFFLINE=1 python -m pytest -q"""
+import math
+import os
+from types import SimpleNamespace
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import dppo
+from dppo import (binary_kl, binary_tv, dppo_loss, exact_kl, exact_tv, group_advantages, ratio_clip_loss,
+                  topk_kl, topk_tv, trust_region_mask)
+
+ALL_DIVS = ["binary_tv", "binary_kl", "topk_tv", "topk_kl"]
+
+
+# ------------------------------------------------------------------------------------------------ helpers
+
+
+def random_dists(B, T, V, seed, spread=3.0):
+    """Random full log-distributions mu and a perturbed pi, float64, (B, T, V) each."""
+    g = torch.Generator().manual_seed(seed)
+    logits_mu = torch.randn(B, T, V, generator=g, dtype=torch.float64) * spread
+    logits_pi = logits_mu + torch.randn(B, T, V, generator=g, dtype=torch.float64) * 0.7
+    return logits_pi.log_softmax(-1), logits_mu.log_softmax(-1)
+
+
+def reference_topk_set(logp_mu_full, sampled, K):
+    """A'_t built by hand in Python: mu's K best ids, the sampled id overwriting the last one if absent."""
+    B, T, V = logp_mu_full.shape
+    ids = torch.empty(B, T, K, dtype=torch.long)
+    for b in range(B):
+        for t in range(T):
+            order = sorted(range(V), key=lambda v: -float(logp_mu_full[b, t, v]))[:K]
+            if int(sampled[b, t]) not in order:
+                order[-1] = int(sampled[b, t])
+            ids[b, t] = torch.tensor(order)
+    return ids
+
+
+def partition_divergences(logp_full, logp_mu_full, ids):
+    """float64 brute force: TV and KL(mu||pi) of the partition {each id in ids} + {everything else}."""
+    p, q = logp_mu_full.exp(), logp_full.exp()                    # mu, pi
+    B, T, _ = p.shape
+    tv, kl = torch.zeros(B, T, dtype=torch.float64), torch.zeros(B, T, dtype=torch.float64)
+    for b in range(B):
+        for t in range(T):
+            sel = ids[b, t].tolist()
+            pm = [float(p[b, t, i]) for i in sel] + [max(1 - float(p[b, t, sel].sum()), 1e-12)]
+            pp = [float(q[b, t, i]) for i in sel] + [max(1 - float(q[b, t, sel].sum()), 1e-12)]
+            tv[b, t] = 0.5 * sum(abs(x - y) for x, y in zip(pm, pp))
+            kl[b, t] = sum(x * (math.log(x) - math.log(y)) for x, y in zip(pm, pp) if x > 0)
+    return tv, kl
+
+
+def sample_ids(logp_mu_full, seed):
+    g = torch.Generator().manual_seed(seed)
+    B, T, V = logp_mu_full.shape
+    return torch.multinomial(logp_mu_full.exp().view(-1, V), 1, generator=g).view(B, T)
+
+
+# ------------------------------------------------------------------------------------ divergence estimates
+
+
+@pytest.mark.parametrize("V,K", [(3, 5), (8, 8), (10, 1), (50, 5), (200, 20)])
+def test_binary_le_topk_le_exact(V, K):
+    """On random full distributions, binary <= top-K <= exact for TV and KL (any coarser partition shrinks D)."""
+    lp, lmu = random_dists(3, 5, V, seed=V + K)
+    a = sample_ids(lmu, seed=1)
+    ids = reference_topk_set(lmu, a, min(K, V))
+    lp_a, lmu_a = lp.gather(-1, a[..., None])[..., 0], lmu.gather(-1, a[..., None])[..., 0]
+    for est_b, est_k, exact in [(binary_tv, topk_tv, exact_tv), (binary_kl, topk_kl, exact_kl)]:
+        b = est_b(lp_a, lmu_a).double()
+        k = est_k(lp.gather(-1, ids), lmu.gather(-1, ids)).double()
+        e = exact(lp, lmu).double()
+        assert (b <= k + 1e-5).all() and (k <= e + 1e-5).all(), est_k.__name__
+        assert (k < e - 1e-4).any() or K >= V, "with K < V the estimate should be strictly below the truth"
+
+
+@pytest.mark.parametrize("V", [2, 7, 40])
+def test_topk_with_k_equal_v_is_exact(V):
+    """Top-K with K = V (every token in the set, 'other' empty) equals the exact divergence to 1e-5."""
+    lp, lmu = random_dists(4, 6, V, seed=V)
+    a = sample_ids(lmu, seed=2)
+    ids = reference_topk_set(lmu, a, V)
+    assert torch.allclose(topk_tv(lp.gather(-1, ids), lmu.gather(-1, ids)).double(), exact_tv(lp, lmu).double(), atol=1e-5)
+    assert torch.allclose(topk_kl(lp.gather(-1, ids), lmu.gather(-1, ids)).double(), exact_kl(lp, lmu).double(), atol=1e-5)
+
+
+@pytest.mark.parametrize("V,K", [(6, 2), (30, 5), (100, 20)])
+def test_topk_estimates_match_brute_force_partition(V, K):
+    """topk_tv / topk_kl equal a float64 brute-force TV / KL(mu||pi) over A'_t plus the 'other' bucket."""
+    lp, lmu = random_dists(3, 4, V, seed=7 * V)
+    a = sample_ids(lmu, seed=3)
+    ids = reference_topk_set(lmu, a, K)
+    tv_ref, kl_ref = partition_divergences(lp, lmu, ids)
+    assert torch.allclose(topk_tv(lp.gather(-1, ids), lmu.gather(-1, ids)).double(), tv_ref, atol=1e-5)
+    assert torch.allclose(topk_kl(lp.gather(-1, ids), lmu.gather(-1, ids)).double(), kl_ref, atol=1e-5)
+
+
+def test_binary_estimates_match_two_bucket_partition():
+    """binary_tv = |pi(a) - mu(a)| and binary_kl = KL(mu||pi) of {a_t, rest}, by float64 brute force."""
+    lp, lmu = random_dists(4, 8, 30, seed=11)
+    a = sample_ids(lmu, seed=4)
+    tv_ref, kl_ref = partition_divergences(lp, lmu, a[..., None])
+    lp_a, lmu_a = lp.gather(-1, a[..., None])[..., 0], lmu.gather(-1, a[..., None])[..., 0]
+    assert torch.allclose(binary_tv(lp_a, lmu_a).double(), (lp_a.exp() - lmu_a.exp()).abs(), atol=1e-6)
+    assert torch.allclose(binary_tv(lp_a, lmu_a).double(), tv_ref, atol=1e-6)
+    assert torch.allclose(binary_kl(lp_a, lmu_a).double(), kl_ref, atol=1e-5)
+
+
+def test_binary_kl_hand_computed_and_near_one():
+    """binary_kl on hand-computed values, including mu(a) -> 1 where 1 - mu must not cancel to 0."""
+    lmu, lp = torch.tensor([[math.log(0.5)]]), torch.tensor([[math.log(0.25)]])
+    ref = 0.5 * math.log(0.5 / 0.25) + 0.5 * math.log(0.5 / 0.75)
+    assert binary_kl(lp, lmu).item() == pytest.approx(ref, rel=1e-5)
+    lmu, lp = torch.tensor([[-1e-6]]), torch.tensor([[-1e-3]])  # mu = 1 - 1e-6, pi = 1 - 1e-3 (approx)
+    m, q = -math.expm1(-1e-6), -math.expm1(-1e-3)                  # 1 - mu, 1 - pi exactly
+    ref = (1 - m) * (-1e-6 + 1e-3) + m * math.log(m / q)
+    assert binary_kl(lp, lmu).item() == pytest.approx(ref, rel=1e-3)
+
+
+# ----------------------------------------------------------------------------------------- trust region
+
+
+def _case_inputs(div_name, p_mu, p_pi):
+    """One token whose sampled-token probabilities are mu = p_mu, pi = p_pi (rest spread over 3 tokens)."""
+    lmu, lp = torch.tensor([[math.log(p_mu)]]), torch.tensor([[math.log(p_pi)]])
+    if div_name.startswith("binary"):
+        return lp, lmu, dppo.DIVERGENCES[div_name](lp, lmu)
+    rest = lambda p: [math.log((1 - p) * w) for w in (0.5, 0.3, 0.2)]  # noqa: E731
+    tk = torch.tensor([[[math.log(p_pi)] + rest(p_pi)]])
+    tk_mu = torch.tensor([[[math.log(p_mu)] + rest(p_mu)]])
+    return lp, lmu, dppo.DIVERGENCES[div_name](tk, tk_mu)
+
+
+@pytest.mark.parametrize("div_name", ALL_DIVS)
+@pytest.mark.parametrize("adv,p_mu,p_pi,expected", [
+    (+1.0, 0.3, 0.9, 0.0),   # A>0, pi rose far above mu: masked
+    (+1.0, 0.9, 0.3, 1.0),   # A>0, pi fell below mu: the update moves back toward mu, never masked
+    (-1.0, 0.9, 0.3, 0.0),   # A<0, pi fell far below mu: masked
+    (-1.0, 0.3, 0.9, 1.0),   # A<0, pi rose above mu: moving back toward mu, never masked
+    (0.0, 0.3, 0.9, 1.0),    # A=0: nothing to mask
+    (+1.0, 0.30, 0.31, 1.0),  # inside the trust region
+    (-1.0, 0.31, 0.30, 1.0),
+])
+def test_mask_sign_direction_cases(div_name, adv, p_mu, p_pi, expected):
+    """Mask is 0 only when the update pushes the sampled token further from mu and D > delta."""
+    lp, lmu, div = _case_inputs(div_name, p_mu, p_pi)
+    m = trust_region_mask(lp, lmu, torch.tensor([adv]), div, delta_low=0.05, delta_high=0.05)
+    assert m.item() == expected
+
+
+def test_mask_uses_delta_low_for_negative_and_delta_high_for_positive():
+    """delta_high governs A>0 tokens and delta_low governs A<0 tokens."""
+    lp, lmu = torch.log(torch.tensor([[0.6, 0.4]])), torch.log(torch.tensor([[0.4, 0.6]]))
+    d = binary_tv(lp, lmu)  # 0.2 for both
+    adv = torch.tensor([[1.0, -1.0]])
+    assert trust_region_mask(lp, lmu, adv, d, delta_low=0.3, delta_high=0.1).tolist() == [[0.0, 1.0]]
+    assert trust_region_mask(lp, lmu, adv, d, delta_low=0.1, delta_high=0.3).tolist() == [[1.0, 0.0]]
+
+
+def test_mask_with_ratio_divergence_reproduces_ratio_clip():
+    """With D = |r - 1| the DPPO mask zeroes exactly the tokens that ratio_clip_loss clips (zero autograd grad)."""
+    g = torch.Generator().manual_seed(0)
+    lmu = -torch.rand(16, 12, generator=g) * 3
+    lp = (lmu + torch.randn(16, 12, generator=g) * 0.4).clamp_max(0).requires_grad_(True)
+    adv = torch.randn(16, generator=g)
+    mask = torch.ones(16, 12)
+    loss, m = ratio_clip_loss(lp, lmu, adv, mask, eps_low=0.2, eps_high=0.28)
+    loss.backward()
+    grad_zero = lp.grad == 0
+    r = (lp.detach() - lmu).exp()
+    kept = trust_region_mask(lp.detach(), lmu, adv, (r - 1).abs(), delta_low=0.2, delta_high=0.28)
+    assert 0 < (kept == 0).sum() < kept.numel()
+    assert torch.equal(grad_zero, kept == 0)
+    assert m["masked_frac"] == pytest.approx(float((kept == 0).float().mean()))
+
+
+# ---------------------------------------------------------------------------------------------- gradients
+
+
+def _loss_inputs(seed=0, B=6, T=9, K=4):
+    g = torch.Generator().manual_seed(seed)
+    lp_full, lmu_full = random_dists(B, T, 12, seed=seed)
+    a = sample_ids(lmu_full, seed)
+    ids = reference_topk_set(lmu_full, a, K)
+    lmu = lmu_full.gather(-1, a[..., None])[..., 0].float()
+    lp = lp_full.gather(-1, a[..., None])[..., 0].float().requires_grad_(True)
+    mask = (torch.rand(B, T, generator=g) > 0.2).float()
+    adv = torch.randn(B, generator=g)
+    return lp, lmu, adv, mask, lp_full.gather(-1, ids).float(), lmu_full.gather(-1, ids).float()
+
+
+@pytest.mark.parametrize("div_name", ALL_DIVS)
+def test_infinite_delta_gives_unmasked_policy_gradient(div_name):
+    """With delta = inf, d loss / d log pi equals the autograd gradient of the plain surrogate -mean(A * r)."""
+    lp, lmu, adv, mask, tk, tk_mu = _loss_inputs()
+    loss, _ = dppo_loss(lp, lmu, adv, mask, divergence_type=div_name, delta_low=math.inf, delta_high=math.inf,
+                        topk_logp=tk, topk_logp_mu=tk_mu)
+    (g,) = torch.autograd.grad(loss, lp)
+    lp2 = lp.detach().clone().requires_grad_(True)
+    surrogate = -((lp2 - lmu).exp() * adv[:, None] * mask).sum() / mask.sum()
+    (g_ref,) = torch.autograd.grad(surrogate, lp2)
+    assert torch.allclose(g, g_ref, atol=1e-7)
+
+
+@pytest.mark.parametrize("div_name", ALL_DIVS)
+def test_masked_tokens_get_zero_gradient_and_kept_tokens_the_surrogate_gradient(div_name):
+    """Masked tokens receive exactly 0 gradient; kept tokens get -A*r/N: the mask and w carry no gradient."""
+    lp, lmu, adv, mask, tk, tk_mu = _loss_inputs(seed=3)
+    loss, _ = dppo_loss(lp, lmu, adv, mask, divergence_type=div_name, delta_low=0.02, delta_high=0.02,
+                        topk_logp=tk, topk_logp_mu=tk_mu)
+    loss.backward()
+    div = dppo.DIVERGENCES[div_name](tk, tk_mu) if div_name.startswith("topk") else dppo.DIVERGENCES[div_name](lp.detach(), lmu)
+    kept = trust_region_mask(lp.detach(), lmu, adv, div, 0.02, 0.02)
+    assert not kept.requires_grad
+    masked = (kept == 0) & (mask == 1)
+    assert masked.any() and (~masked & (mask == 1) & (adv[:, None] != 0)).any()
+    assert (lp.grad[masked] == 0).all()
+    expected = -adv[:, None] * (lp.detach() - lmu).exp() * kept * mask / mask.sum()
+    assert torch.allclose(lp.grad, expected, atol=1e-7)
+
+
+def test_ratio_cap_truncates_the_weight():
+    """ratio_cap = C scales kept tokens' gradient by min(r, C) instead of r."""
+    lp = torch.tensor([[math.log(0.9)]], requires_grad=True)
+    lmu = torch.tensor([[math.log(0.1)]])
+    loss, _ = dppo_loss(lp, lmu, torch.tensor([-1.0]), torch.ones(1, 1), delta_low=math.inf, delta_high=math.inf,
+                        ratio_cap=2.0)
+    loss.backward()
+    assert lp.grad.item() == pytest.approx(2.0)  # -A * min(9, 2) / 1
+
+
+def test_metrics_hand_computed():
+    """Metrics on a 4-token batch computed by hand: masked fractions by sign, |pi - mu|, ratio."""
+    lmu = torch.log(torch.tensor([[0.2, 0.5], [0.5, 0.4]]))
+    lp = torch.log(torch.tensor([[0.6, 0.5], [0.1, 0.4]]))
+    _, m = dppo_loss(lp, lmu, torch.tensor([1.0, -1.0]), torch.ones(2, 2), delta_low=0.15, delta_high=0.15)
+    assert m["masked_frac"] == pytest.approx(0.5)       # token (0,0) up by 0.4 with A>0; (1,0) down by 0.4 with A<0
+    assert m["masked_frac_pos"] == pytest.approx(0.5) and m["masked_frac_neg"] == pytest.approx(0.5)
+    assert m["abs_dp_mean"] == pytest.approx(0.2) and m["abs_dp_max"] == pytest.approx(0.4)
+    assert m["ratio"] == pytest.approx((3 + 1 + 0.2 + 1) / 4)
+
+
+# ---------------------------------------------------------------------------------------------- advantages
+
+
+def test_group_advantages_hand_computed():
+    """A = R - group mean (no std by default); with scale_by_std divide by the unbiased group std."""
+    r = torch.tensor([1.0, 0.0, 0.0, 1.0, 3.0, 1.0, 2.0, 2.0])
+    assert group_advantages(r, 4).tolist() == [0.5, -0.5, -0.5, 0.5, 1.0, -1.0, 0.0, 0.0]
+    s = 1 / math.sqrt(3)  # unbiased std of [1, 0, 0, 1]
+    assert group_advantages(r, 4, scale_by_std=True)[:4].tolist() == pytest.approx([0.5 / s, -0.5 / s, -0.5 / s, 0.5 / s], rel=1e-5)
+
+
+def test_group_advantages_equal_rewards_give_zero_not_nan():
+    """A group whose rewards are all equal gets zero advantage, also when scaled by its (zero) std."""
+    for scale in (False, True):
+        a = group_advantages(torch.tensor([1.0, 1.0, 1.0, 0.0, 0.0, 0.0]), 3, scale_by_std=scale)
+        assert torch.isfinite(a).all() and (a == 0).all()
+
+
+# ----------------------------------------------------------------------------------- numerics & properties
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("div_name", ALL_DIVS)
+def test_edge_cases_are_finite(dtype, div_name):
+    """p at 0 and 1, K = 1, rows without valid tokens and an all-masked batch all give finite loss and grads."""
+    lp = torch.tensor([[0.0, -1e-8, -30.0, -1e4], [-1e-3, 0.0, -50.0, -0.7]], dtype=dtype, requires_grad=True)
+    lmu = torch.tensor([[-40.0, 0.0, -1e-7, -2.0], [0.0, -60.0, -1e-2, -0.7]], dtype=dtype)
+    for mask in (torch.tensor([[1.0, 1, 1, 1], [0, 0, 0, 0]]), torch.zeros(2, 4)):
+        loss, m = dppo_loss(lp, lmu, torch.tensor([1.0, -1.0]), mask, divergence_type=div_name,
+                            topk_logp=lp.detach()[..., None], topk_logp_mu=lmu[..., None])  # K = 1
+        (g,) = torch.autograd.grad(loss, lp)
+        assert torch.isfinite(loss) and torch.isfinite(g).all()
+        assert all(math.isfinite(v) for v in m.values())
+
+
+def test_bf16_inputs_computed_in_float32():
+    """bf16 log-probs give the same divergences as their float32 upcast (computation happens in float32)."""
+    lp, lmu = torch.tensor([[-0.01, -2.5]], dtype=torch.bfloat16), torch.tensor([[-0.3, -2.0]], dtype=torch.bfloat16)
+    for f in (binary_tv, binary_kl):
+        assert f(lp, lmu).dtype == torch.float32
+        assert torch.equal(f(lp, lmu), f(lp.float(), lmu.float()))
+
+
+logprob = st.one_of(st.sampled_from([0.0, -0.0, -1e-30, -1e-9, -1e-7, -1e-3, -0.69, -30.0, -1e4, -1e30, -3e38]),
+                    st.floats(-1e6, 0.0, allow_nan=False, allow_infinity=False))
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(logprob, logprob, st.floats(-100, 100)), min_size=1, max_size=6),
+       st.sampled_from([torch.float32, torch.bfloat16]), st.sampled_from(ALL_DIVS),
+       st.sampled_from([None, 3.0]))
+def test_property_never_nan_or_inf(rows, dtype, div_name, cap):
+    """For any finite log-probs (extremes included) in float32 or bf16, losses, gradients and metrics are finite.
+    (float16 is left out: a weight of e^20 is a legitimate gradient that float16 cannot hold.)"""
+    lp = torch.tensor([[r[0] for r in rows]], dtype=torch.float32).to(dtype).clamp(min=torch.finfo(dtype).min)
+    lmu = torch.tensor([[r[1] for r in rows]], dtype=torch.float32).to(dtype).clamp(min=torch.finfo(dtype).min)
+    adv = torch.tensor([[r[2] for r in rows]])
+    lp.requires_grad_(True)
+    for f in dppo.DIVERGENCES.values():
+        assert torch.isfinite(f(lp.detach()[..., None] if f in (topk_tv, topk_kl) else lp.detach(),
+                                lmu[..., None] if f in (topk_tv, topk_kl) else lmu)).all()
+    mask = torch.ones_like(adv)
+    for loss, m in (dppo_loss(lp, lmu, adv, mask, divergence_type=div_name, ratio_cap=cap,
+                              topk_logp=lp.detach()[..., None], topk_logp_mu=lmu[..., None]),
+                    ratio_clip_loss(lp, lmu, adv, mask)):
+        (g,) = torch.autograd.grad(loss, lp)
+        assert torch.isfinite(loss) and torch.isfinite(g).all() and all(math.isfinite(v) for v in m.values())
+
+
+# ------------------------------------------------------------------------------------------- bad arguments
+
+
+def _good():
+    return dict(logp=torch.zeros(2, 3) - 1, logp_mu=torch.zeros(2, 3) - 1, advantages=torch.zeros(2),
+                completion_mask=torch.ones(2, 3))
+
+
+@pytest.mark.parametrize("change,kwargs,match", [
+    ({}, {"divergence_type": "js"}, "divergence_type must be one of"),
+    ({}, {"delta_low": -0.1}, "must be >= 0"),
+    ({}, {"delta_high": -1.0}, "must be >= 0"),
+    ({}, {"ratio_cap": 0.0}, "ratio_cap must be > 0"),
+    ({"logp_mu": torch.zeros(2, 4)}, {}, r"logp_mu must have shape \(2, 3\)"),
+    ({"completion_mask": torch.ones(3, 3)}, {}, r"completion_mask must have shape \(2, 3\)"),
+    ({"advantages": torch.zeros(3)}, {}, "advantages must be"),
+    ({"logp": torch.zeros(6)}, {}, r"logp must be \(B, T\)"),
+    ({"logp": torch.tensor([[0.0, float("nan"), 0.0]] * 2)}, {}, "logp contains NaN or inf"),
+    ({"logp_mu": torch.tensor([[0.0, -float("inf"), 0.0]] * 2)}, {}, "logp_mu contains NaN or inf"),
+    ({"advantages": torch.tensor([1.0, float("nan")])}, {}, "advantages contains NaN"),
+    ({}, {"divergence_type": "topk_tv"}, "needs topk_logp and topk_logp_mu"),
+    ({}, {"divergence_type": "topk_kl", "topk_logp": torch.zeros(2, 3, 4) - 2, "topk_logp_mu": torch.zeros(2, 3, 5) - 2},
+     "same"),
+    ({}, {"divergence_type": "topk_kl", "topk_logp": torch.zeros(2, 4, 4) - 2, "topk_logp_mu": torch.zeros(2, 4, 4) - 2},
+     r"topk_logp must be \(B, T, K\)"),
+    ({}, {"divergence_type": "topk_tv", "topk_logp": torch.full((2, 3, 2), float("nan")),
+          "topk_logp_mu": torch.zeros(2, 3, 2) - 2}, "topk_logp contains NaN"),
+])
+def test_dppo_loss_bad_arguments_raise(change, kwargs, match):
+    """Every malformed input to dppo_loss raises ValueError saying what was expected."""
+    args = {**_good(), **change}
+    with pytest.raises(ValueError, match=match):
+        dppo_loss(**args, **kwargs)
+
+
+def test_other_bad_arguments_raise():
+    """ratio_clip_loss and group_advantages reject bad eps, shapes, NaN and group sizes with ValueError."""
+    with pytest.raises(ValueError, match="eps_low and eps_high must be >= 0"):
+        ratio_clip_loss(**_good(), eps_low=-0.1)
+    with pytest.raises(ValueError, match="advantages must be"):
+        ratio_clip_loss(**{**_good(), "advantages": torch.zeros(2, 2)})
+    with pytest.raises(ValueError, match="divide the batch size 6"):
+        group_advantages(torch.zeros(6), 4)
+    with pytest.raises(ValueError, match="group_size must be >= 2"):
+        group_advantages(torch.zeros(6), 1)
+    with pytest.raises(ValueError, match="rewards contains NaN"):
+        group_advantages(torch.tensor([1.0, float("nan")]), 2)
+
+
+# ------------------------------------------------------------------------------------- sampler & scoring
+
+
+def tiny_model(kind, V=40, seed=0):
+    """Tiny Llama-, Qwen2- or GPT-2-style causal LM built from a config, eval mode, float32."""
+    import transformers as tf
+    torch.manual_seed(seed)
+    common = dict(vocab_size=V, pad_token_id=0, eos_token_id=1, bos_token_id=2)
+    if kind == "gpt2":
+        cfg = tf.GPT2Config(n_embd=32, n_layer=2, n_head=2, n_positions=64, **common)
+        return tf.GPT2LMHeadModel(cfg).eval()
+    cls_cfg, cls = {"llama": (tf.LlamaConfig, tf.LlamaForCausalLM), "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM)}[kind]
+    cfg = cls_cfg(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=64, **common)
+    return cls(cfg).eval()
+
+
+def left_padded_prompts(V, lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    P = max(lengths)
+    ids = torch.zeros(len(lengths), P, dtype=torch.long)
+    mask = torch.zeros(len(lengths), P, dtype=torch.long)
+    for i, n in enumerate(lengths):
+        ids[i, P - n:] = torch.randint(3, V, (n,), generator=g)
+        mask[i, P - n:] = 1
+    return ids, mask
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "gpt2"])
+@pytest.mark.parametrize("temperature", [0.7, 1.0])
+def test_sampler_capture_equals_training_forward(kind, temperature):
+    """policy_logprobs on the same weights reproduces the captured logp_mu and topk_logp_mu to 1e-5."""
+    model = tiny_model(kind)
+    ids, mask = left_padded_prompts(40, [3, 7, 5, 1, 6])
+    ro = dppo.sample_with_topk(model, ids, mask, max_new_tokens=12, temperature=temperature, topk=6,
+                               eos_token_id=1, pad_token_id=0, generator=torch.Generator().manual_seed(0))
+    logp, tk = dppo.policy_logprobs(model, ids, mask, ro.completion_ids, ro.completion_mask,
+                                    temperature=temperature, topk_ids=ro.topk_ids)
+    valid = ro.completion_mask.bool()
+    assert ro.logp_mu.dtype == torch.float32 and ro.topk_logp_mu.dtype == torch.float32
+    assert (logp - ro.logp_mu)[valid].abs().max() <= 1e-5
+    assert (tk - ro.topk_logp_mu)[valid].abs().max() <= 1e-5
+    assert logp.requires_grad and not tk.requires_grad
+
+
+def test_sampler_capture_matches_chunked_forward():
+    """Chunking the training forward over T (tiny chunk budget) gives the same log-probs and gradients."""
+    model = tiny_model("llama")
+    ids, mask = left_padded_prompts(40, [4, 2, 6])
+    ro = dppo.sample_with_topk(model, ids, mask, max_new_tokens=9, topk=3, eos_token_id=1, pad_token_id=0,
+                               generator=torch.Generator().manual_seed(1))
+    args = (model, ids, mask, ro.completion_ids, ro.completion_mask)
+    a, ta = dppo.policy_logprobs(*args, topk_ids=ro.topk_ids)
+    b, tb = dppo.policy_logprobs(*args, topk_ids=ro.topk_ids, chunk_bytes=1)  # one time step per chunk
+    ga = torch.autograd.grad(a.sum(), list(model.parameters()))
+    gb = torch.autograd.grad(b.sum(), list(model.parameters()))
+    assert torch.allclose(a, b, atol=1e-6) and torch.allclose(ta, tb, atol=1e-6)
+    assert all(torch.allclose(x, y, atol=1e-6) for x, y in zip(ga, gb))
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.0])
+def test_sampler_frequencies_follow_tempered_softmax(temperature):
+    """First-token frequencies over 40k samples match softmax(logits / T) over the full vocabulary (no truncation)."""
+    V = 80
+    model = tiny_model("llama", V=V, seed=3)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(6.0)  # a peaked but long-tailed distribution
+    ids, mask = left_padded_prompts(V, [4])
+    with torch.no_grad():
+        logits = model(ids, attention_mask=mask).logits[0, -1]
+    n = 40000
+    ro = dppo.sample_with_topk(model, ids.expand(n, -1), mask.expand(n, -1), max_new_tokens=1,
+                               temperature=temperature, topk=0, eos_token_id=1, pad_token_id=0,
+                               generator=torch.Generator().manual_seed(0))
+    freq = torch.bincount(ro.completion_ids[:, 0], minlength=V).double() / n
+    target = torch.softmax(logits.double() / temperature, -1)
+    other_t = torch.softmax(logits.double() / (1.7 - temperature), -1)  # the "wrong temperature"
+    top50 = torch.zeros(V, dtype=torch.bool)
+    top50[target.topk(50).indices] = True
+    truncated = torch.where(top50, target, 0.0) / target[top50].sum()
+    tv = lambda p, q: 0.5 * (p - q).abs().sum().item()  # noqa: E731
+    assert tv(freq, target) < 0.02
+    assert tv(target, other_t) > 0.06 and tv(freq, other_t) > 0.04      # the test can tell temperatures apart
+    assert tv(target, truncated) > 0.02 and freq[~top50].sum() > 0.02     # and sees the tail a top-50 sampler drops
+    assert torch.allclose(ro.logp_mu[:, 0].double(), torch.log_softmax(logits.double() / temperature, -1)[ro.completion_ids[:, 0]], atol=1e-5)
+
+
+def test_sampler_topk_contains_sampled_token_and_is_sorted():
+    """The sampled token is always in the K captured ids; the other slots are mu's best tokens by rank."""
+    model = tiny_model("qwen2")
+    ids, mask = left_padded_prompts(40, [2, 5, 3, 4] * 8, seed=2)
+    ro = dppo.sample_with_topk(model, ids, mask, max_new_tokens=10, temperature=1.0, topk=2, eos_token_id=1,
+                               pad_token_id=0, generator=torch.Generator().manual_seed(5))
+    valid = ro.completion_mask.bool()
+    assert (ro.topk_ids == ro.completion_ids[..., None]).any(-1)[valid].all()
+    forced = ~(ro.topk_ids[..., :1] == ro.completion_ids[..., None]).any(-1) & (ro.topk_ids[..., 1] == ro.completion_ids)
+    assert forced[valid].any(), "K=2 at T=1 should sample outside the top-2 at least once"
+    assert (ro.topk_logp_mu[..., 0] >= ro.topk_logp_mu[..., 1])[valid & ~forced].all()
+
+
+def test_completion_mask_stops_after_first_eos_and_same_seed_same_rollout():
+    """completion_mask is 1 up to and including the first EOS and 0 after; one seed gives one rollout."""
+    model = tiny_model("llama", V=6)  # 6 tokens: EOS comes quickly
+    ids, mask = left_padded_prompts(6, [3, 2, 4] * 10, seed=4)
+    kw = dict(max_new_tokens=15, topk=3, eos_token_id=1, pad_token_id=0)
+    a = dppo.sample_with_topk(model, ids, mask, generator=torch.Generator().manual_seed(9), **kw)
+    b = dppo.sample_with_topk(model, ids, mask, generator=torch.Generator().manual_seed(9), **kw)
+    for row_ids, row_mask in zip(a.completion_ids.tolist(), a.completion_mask.tolist()):
+        if 1 in row_ids:
+            first = row_ids.index(1)
+            assert row_mask == [1.0] * (first + 1) + [0.0] * (len(row_ids) - first - 1)
+        else:
+            assert all(m == 1.0 for m in row_mask)
+    assert any(1 in r for r in a.completion_ids.tolist())
+    assert torch.equal(a.completion_ids, b.completion_ids) and torch.equal(a.logp_mu, b.logp_mu)
+    assert torch.equal(a.topk_ids, b.topk_ids) and torch.equal(a.topk_logp_mu, b.topk_logp_mu)
+
+
+def test_completion_mask_when_pad_equals_eos():
+    """With pad == EOS the mask still keeps the first EOS and drops only what follows it."""
+    ids = torch.tensor([[5, 7, 1, 1, 1], [1, 1, 1, 1, 1], [5, 6, 7, 8, 9]])
+    assert dppo.completion_mask_from_ids(ids, 1).tolist() == [[1, 1, 1, 0, 0], [1, 0, 0, 0, 0], [1, 1, 1, 1, 1]]
+
+
+@pytest.mark.parametrize("kwargs,ids,match", [
+    (dict(topk=41), None, r"topk must be in \[0, V=40\]"),
+    (dict(temperature=0.0), None, "temperature must be > 0"),
+    (dict(temperature=-1.0), None, "temperature must be > 0"),
+    (dict(max_new_tokens=60), None, "exceeds the model's context of 64"),
+    (dict(), (torch.zeros(2, 0, dtype=torch.long), torch.zeros(2, 0, dtype=torch.long)), "non-empty"),
+    (dict(), (torch.tensor([[3, 4], [0, 0]]), torch.tensor([[1, 1], [0, 0]])), "empty prompt"),
+])
+def test_sampler_bad_input_raises_before_sampling(kwargs, ids, match):
+    """Bad sampling arguments raise ValueError before any forward pass."""
+    model = tiny_model("llama")
+    calls = []
+    model.register_forward_hook(lambda *a: calls.append(1))
+    p_ids, p_mask = ids if ids is not None else left_padded_prompts(40, [3, 5])
+    args = {**dict(max_new_tokens=4, topk=5, eos_token_id=1, pad_token_id=0), **kwargs}
+    with pytest.raises(ValueError, match=match):
+        dppo.sample_with_topk(model, p_ids, p_mask, **args)
+    assert not calls
+
+
+# ------------------------------------------------------------------------------------------ vLLM adapter
+
+
+def lp(logprob, rank):
+    return SimpleNamespace(logprob=logprob, rank=rank)
+
+
+def test_vllm_conversion_sampled_inside_and_outside_topk():
+    """Per-position dicts -> tensors: ranks sorted, a sampled token outside the top-K overwrites slot K."""
+    positions = [
+        {7: lp(-0.1, 1), 3: lp(-2.5, 2), 9: lp(-3.0, 3)},                 # sampled 7 inside the top-3
+        {4: lp(-5.0, 9), 2: lp(-0.5, 1), 8: lp(-1.5, 2), 6: lp(-2.0, 3)},  # sampled 4 outside: K + 1 entries
+        {5: lp(-2.2, 3), 1: lp(-0.3, 1), 0: lp(-1.9, 2)},                 # arbitrary order, sampled rank 3
+    ]
+    logp, ids, vals = dppo.vllm_logprobs_to_tensors(positions, [7, 4, 5], k=3)
+    assert logp.tolist() == pytest.approx([-0.1, -5.0, -2.2])
+    assert ids.tolist() == [[7, 3, 9], [2, 8, 4], [1, 0, 5]]
+    assert torch.allclose(vals, torch.tensor([[-0.1, -2.5, -3.0], [-0.5, -1.5, -5.0], [-0.3, -1.9, -2.2]]))
+    logp0, ids0, vals0 = dppo.vllm_logprobs_to_tensors(positions, [7, 4, 5], k=0)
+    assert ids0 is None and vals0 is None and logp0.tolist() == pytest.approx([-0.1, -5.0, -2.2])
+
+
+def test_vllm_conversion_rejects_nan_and_missing_tokens():
+    """A NaN log-prob, a missing sampled token or too few entries raise ValueError, never propagate."""
+    with pytest.raises(ValueError, match="NaN"):
+        dppo.vllm_logprobs_to_tensors([{1: lp(float("nan"), 1), 2: lp(-1.0, 2)}], [1], k=2)
+    with pytest.raises(ValueError, match="missing"):
+        dppo.vllm_logprobs_to_tensors([{1: lp(-0.1, 1), 2: lp(-1.0, 2)}], [3], k=2)
+    with pytest.raises(ValueError, match="need K = 3"):
+        dppo.vllm_logprobs_to_tensors([{1: lp(-0.1, 1), 2: lp(-1.0, 2)}], [1], k=3)
+
+
+def test_rollout_from_vllm_sequences_pads_and_masks():
+    """Sequences of different lengths are padded; the mask stops after EOS and at each sequence's end."""
+    rows = [(torch.tensor([-0.1, -0.2]), torch.tensor([[5, 6], [1, 2]]), torch.tensor([[-0.1, -3.0], [-0.2, -2.0]])),
+            (torch.tensor([-0.3, -0.4, -0.5]), torch.tensor([[7, 5], [8, 5], [1, 5]]), torch.full((3, 2), -1.0))]
+    ro = dppo.rollout_from_sequences([[5, 1], [7, 8, 1]], rows, eos_token_id=1, pad_token_id=0)
+    assert ro.completion_ids.tolist() == [[5, 1, 0], [7, 8, 1]]
+    assert ro.completion_mask.tolist() == [[1, 1, 0], [1, 1, 1]]
+    assert ro.topk_ids.shape == (2, 3, 2) and ro.logp_mu[0].tolist() == pytest.approx([-0.1, -0.2, 0.0])
+
+
+def test_vllm_engine_capture_equals_scoring(tmp_path):
+    """Real engine (GPU + vllm only): log-probs vLLM captures match policy_logprobs on the pushed weights."""
+    pytest.importorskip("vllm")
+    if not torch.cuda.is_available():
+        pytest.skip("vLLM needs a GPU")
+    model = tiny_model("llama", V=64).cuda()
+    model.save_pretrained(tmp_path)
+    torch.nn.init.normal_(model.lm_head.weight, std=0.5)  # differ from the saved weights: the push must happen
+    sampler = dppo.VLLMSampler(str(tmp_path), topk=5, max_model_len=64, dtype="float32")
+    sampler.load_weights(model)
+    ids, mask = left_padded_prompts(64, [3, 6, 4], seed=1)
+    ro = sampler.sample([r[m.bool()].tolist() for r, m in zip(ids, mask)], max_new_tokens=8, temperature=0.8,
+                        eos_token_id=1, pad_token_id=0)
+    with torch.no_grad():
+        logp, tk = dppo.policy_logprobs(model, ids.cuda(), mask.cuda(), ro.completion_ids.cuda(),
+                                        ro.completion_mask.cuda(), temperature=0.8, topk_ids=ro.topk_ids.cuda())
+    valid = ro.completion_mask.bool().cuda()
+    assert (logp - ro.logp_mu.cuda())[valid].abs().max() < 1e-3
+    assert (tk - ro.topk_logp_mu.cuda())[valid].abs().max() < 1e-3
+
+
+# ---------------------------------------------------------------------------------------- training loop
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+TIMING_KEYS = {"seconds", "sample_seconds"}
+
+
+def read_metrics(out_dir):
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def without_timings(rows):
+    return [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in rows]
+
+
+@pytest.fixture(scope="session")
+def warm_model(tmp_path_factory):
+    """The default warm start (no RL steps), saved by train() as a model directory: the start of every RL test."""
+    out = tmp_path_factory.mktemp("warm")
+    summary = dppo.train(dppo.Config(out_dir=str(out), steps=0, warm_start_steps=500))
+    return str(out / "model"), summary["acc_start"]
+
+
+def small_cfg(warm_model, out_dir, **kw):
+    """A few RL steps from the saved warm-started model, loaded through --model like any Hugging Face model."""
+    base = dict(model=warm_model[0], out_dir=str(out_dir), steps=4, eval_every=2, save_every=2,
+                prompts_per_step=16, group_size=8, eval_size=500)
+    return dppo.Config(**{**base, **kw})
+
+
+def test_warm_start_lands_in_the_intended_range(warm_model):
+    """The supervised warm start leaves held-out greedy accuracy between 20% and 60%."""
+    assert 0.2 <= warm_model[1] <= 0.6
+
+
+def test_training_raises_accuracy(warm_model, tmp_path):
+    """A short DPPO run from the saved warm-start model lifts held-out greedy accuracy by >= 30 points."""
+    s = dppo.train(small_cfg(warm_model, tmp_path, steps=12, eval_every=12, prompts_per_step=32))
+    assert s["acc_start"] == pytest.approx(warm_model[1])
+    assert s["acc_end"] >= s["acc_start"] + 0.3
+    rows = read_metrics(tmp_path)
+    assert [r["step"] for r in rows] == list(range(13))
+    assert os.path.exists(tmp_path / "curves.png") and os.path.exists(tmp_path / "model" / "config.json")
+
+
+@pytest.mark.parametrize("loss,div", [("dppo", "binary_kl"), ("dppo", "topk_tv"), ("dppo", "topk_kl"),
+                                      ("ratio_clip", "binary_tv")])
+def test_every_loss_and_divergence_trains_without_nan(warm_model, tmp_path, loss, div):
+    """Each divergence (and the ratio-clip baseline, bf16 rollouts for it) trains and logs finite metrics."""
+    extra = {"rollout_dtype": "bfloat16"} if loss == "ratio_clip" else {}
+    dppo.train(small_cfg(warm_model, tmp_path, steps=3, loss=loss, divergence=div, **extra))
+    rows = read_metrics(tmp_path)[1:]
+    assert len(rows) == 3
+    keys = {"reward", "masked_frac", "masked_frac_pos", "masked_frac_neg", "abs_dp_mean", "abs_dp_max",
+            "divergence", "ratio", "entropy", "completion_len", "seconds"}
+    for r in rows:
+        assert keys <= r.keys() and all(math.isfinite(r[k]) for k in keys)
+    if extra:
+        assert rows[0]["abs_dp_mean"] > 0  # bf16 sampling vs float32 training: pi != mu even before any update
+
+
+def test_same_seed_same_metrics(warm_model, tmp_path):
+    """Same seed and config give an identical metrics.jsonl (timings excluded)."""
+    dppo.train(small_cfg(warm_model, tmp_path / "a"))
+    dppo.train(small_cfg(warm_model, tmp_path / "b"))
+    assert without_timings(read_metrics(tmp_path / "a")) == without_timings(read_metrics(tmp_path / "b"))
+    dppo.train(small_cfg(warm_model, tmp_path / "c", seed=1))
+    assert without_timings(read_metrics(tmp_path / "a")) != without_timings(read_metrics(tmp_path / "c"))
+
+
+def test_resume_matches_uninterrupted_run(warm_model, tmp_path):
+    """Stopping after 2 steps and continuing with --resume reproduces the uninterrupted 4-step run exactly."""
+    dppo.train(small_cfg(warm_model, tmp_path / "full"))
+    dppo.train(small_cfg(warm_model, tmp_path / "split", steps=2))
+    dppo.train(small_cfg(warm_model, tmp_path / "split", resume=True))
+    assert without_timings(read_metrics(tmp_path / "split")) == without_timings(read_metrics(tmp_path / "full"))
+
+
+def test_ctrl_c_saves_a_checkpoint_and_resume_matches(warm_model, tmp_path):
+    """SIGINT mid-run finishes the step, saves a checkpoint, exits 0; --resume then matches an uninterrupted run."""
+    cli = [sys.executable, os.path.join(ROOT, "dppo.py"), "--model", warm_model[0], "--steps", "6",
+           "--prompts_per_step", "16", "--eval_every", "3", "--save_every", "100"]
+    proc = subprocess.Popen(cli + ["--out_dir", str(tmp_path / "int")], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    log = tmp_path / "int" / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and not (log.exists() and len(log.read_text().splitlines()) >= 2):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out
+    done = len(log.read_text().splitlines()) - 1
+    assert torch.load(tmp_path / "int" / "checkpoint.pt", weights_only=False)["step"] == done
+    if done < 6:
+        assert "--resume" in out
+    subprocess.run(cli + ["--out_dir", str(tmp_path / "int"), "--resume"], cwd=ROOT, check=True, capture_output=True)
+    subprocess.run(cli + ["--out_dir", str(tmp_path / "full")], cwd=ROOT, check=True, capture_output=True)
+    assert without_timings(read_metrics(tmp_path / "int")) == without_timings(read_metrics(tmp_path / "full"))
+
+
+def test_saved_model_loads_with_auto_classes(warm_model):
+    """The saved directory loads with AutoModelForCausalLM / AutoTokenizer and round-trips a prompt."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    model = AutoModelForCausalLM.from_pretrained(warm_model[0])
+    tok = AutoTokenizer.from_pretrained(warm_model[0])
+    assert tok.decode(tok("12+34=").input_ids) == "12+34=" and model.config.vocab_size == len(tok)
+
+
+@pytest.mark.parametrize("kw,match", [
+    ({"delta_low": -0.1}, "delta_low must be >= 0"),
+    ({"group_size": 1}, "group_size must be >= 2"),
+    ({"topk": 500}, "topk=500 exceeds the vocabulary size 97"),
+    ({"num_minibatches": 3}, "not divisible into num_minibatches = 3"),
+    ({"model": "./no/such/dir"}, "no such directory"),
+    ({"model": "nobody/no-such-model"}, "cannot load its config"),
+    ({"task": "gsm8k"}, "needs a real model"),
+    ({"resume": True, "out_dir": "/nonexistent-dir"}, "no checkpoint"),
+    ({"temperature": 0.0}, "temperature must be > 0"),
+])
+def test_bad_config_fails_fast(kw, match, tmp_path):
+    """Bad values fail in validate_config with a message, before any model is built."""
+    with pytest.raises(ValueError, match=match):
+        dppo.validate_config(dppo.Config(**{"out_dir": str(tmp_path), **kw}))
+
+
+def test_cli_help_and_bad_flags():
+    """--help documents every Config field; bad flags exit non-zero with a message before building a model."""
+    import dataclasses
+    out = subprocess.run([sys.executable, "dppo.py", "--help"], cwd=ROOT, capture_output=True, text=True).stdout
+    for f in dataclasses.fields(dppo.Config):
+        assert f"--{f.name}" in out and f.metadata["help"][:20] in out.replace("\n", " ").replace("  ", " ")
+    bad = subprocess.run([sys.executable, "dppo.py", "--divergence", "js"], cwd=ROOT, capture_output=True, text=True)
+    assert bad.returncode != 0 and "invalid choice" in bad.stderr
+    bad = subprocess.run([sys.executable, "dppo.py", "--delta_high", "-1", "--group_size", "1"], cwd=ROOT,
+                         capture_output=True, text=True)
+    assert bad.returncode != 0 and "delta_high must be >= 0" in bad.stderr and "group_size must be >= 2" in bad.stderr
