@@ -65,6 +65,7 @@ class Config:
     eval_every: int = _f(10, "Evaluate held-out greedy accuracy every N steps (and at the first and last).")
     save_every: int = _f(20, "Write checkpoint.pt every N steps (also on Ctrl-C and at the end).")
     resume: bool = _f(False, "Continue from out_dir/checkpoint.pt exactly where it stopped.")
+    quiet: bool = _f(False, "No progress bar and no per-step line; only the start and end summaries.")
     # --- task / model ---
     task: Literal["addition", "gsm8k"] = _f("addition", "addition: embedded offline task; gsm8k: openai/gsm8k.")
     digits: int = _f(2, "Addition: operands have up to this many digits.")
@@ -814,14 +815,23 @@ def _merge_metrics(parts: list[dict]) -> dict:
     return out
 
 
-def rl_step(model, opt, tok, rows, reward_fn, cfg: Config, gen, sample_gen, sampler, max_new_tokens) -> dict:
-    """One DPPO step: sample P x G with capture (mu) -> rewards -> advantages -> M updates against the same mu."""
+@dataclass
+class Batch:
+    """One rollout batch with everything the M updates need."""
+    prompt_ids: torch.Tensor    # (B, P) left-padded
+    prompt_mask: torch.Tensor   # (B, P)
+    rollout: Rollout            # what mu sampled and what it was
+    rewards: torch.Tensor       # (B,)
+    advantages: torch.Tensor    # (B,)
+
+
+def collect_rollout(model, tok, rows, reward_fn, cfg: Config, gen, sample_gen, sampler, max_new_tokens) -> Batch:
+    """Sample P prompts x G completions with capture (mu), score them, and compute group advantages."""
     G, device = cfg.group_size, model.device
     prompts = [p for p in rows["prompt"] for _ in range(G)]                    # prompt-major groups, B = P * G
     extra = {k: [v for v in vals for _ in range(G)] for k, vals in rows.items() if k != "prompt"}
     prompt_ids, prompt_mask = encode_prompts(tok, prompts, device)            # (B, P)
     topk = cfg.topk if cfg.loss == "dppo" and cfg.divergence.startswith("topk") else 0
-    t0 = time.time()
     if isinstance(sampler, VLLMSampler):
         sampler.load_weights(model)
         lists = [ids[m.bool()].tolist() for ids, m in zip(prompt_ids, prompt_mask)]
@@ -835,17 +845,22 @@ def rl_step(model, opt, tok, rows, reward_fn, cfg: Config, gen, sample_gen, samp
         ro = sample_with_topk(sampler, prompt_ids, prompt_mask, max_new_tokens=max_new_tokens,
                               temperature=cfg.temperature, topk=topk, eos_token_id=tok.eos_token_id,
                               pad_token_id=tok.pad_token_id, generator=sample_gen)
-    t_sample = time.time() - t0
     completions = decode_completions(tok, ro.completion_ids, ro.completion_mask)
     rewards = torch.tensor(reward_fn(prompts, completions, **extra), dtype=torch.float32)   # (B,)
     adv = group_advantages(rewards, G, cfg.scale_adv_by_std).to(device)                    # (B,)
+    return Batch(prompt_ids, prompt_mask, ro, rewards, adv)
 
+
+def update_policy(model, opt, batch: Batch, cfg: Config, gen) -> dict:
+    """M optimiser steps on shuffled mini-batches, all against the same captured mu; batch-averaged metrics."""
+    ro, adv = batch.rollout, batch.advantages
+    topk = ro.topk_ids is not None
     model.train()
     parts = []
-    for idx in torch.randperm(len(prompts), generator=gen).chunk(cfg.num_minibatches):    # M mini-batches
-        idx = idx.to(device)
+    for idx in torch.randperm(len(adv), generator=gen).chunk(cfg.num_minibatches):      # M mini-batches
+        idx = idx.to(adv.device)
         logp, topk_logp = policy_logprobs(
-            model, prompt_ids[idx], prompt_mask[idx], ro.completion_ids[idx], ro.completion_mask[idx],
+            model, batch.prompt_ids[idx], batch.prompt_mask[idx], ro.completion_ids[idx], ro.completion_mask[idx],
             temperature=cfg.temperature, topk_ids=ro.topk_ids[idx] if topk else None)  # (b, T), (b, T, K)
         if cfg.loss == "dppo":
             loss, m = dppo_loss(logp, ro.logp_mu[idx], adv[idx], ro.completion_mask[idx],
@@ -860,8 +875,17 @@ def rl_step(model, opt, tok, rows, reward_fn, cfg: Config, gen, sample_gen, samp
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
         opt.step()
         parts.append(m)
-    mask = ro.completion_mask
-    return {"reward": float(rewards.mean()), **_merge_metrics(parts),
+    return _merge_metrics(parts)
+
+
+def rl_step(model, opt, tok, rows, reward_fn, cfg: Config, gen, sample_gen, sampler, max_new_tokens) -> dict:
+    """One DPPO step: sample with capture (mu) -> rewards -> advantages -> M updates against the same mu."""
+    t0 = time.time()
+    batch = collect_rollout(model, tok, rows, reward_fn, cfg, gen, sample_gen, sampler, max_new_tokens)
+    t_sample = time.time() - t0
+    metrics = update_policy(model, opt, batch, cfg, gen)
+    mask, ro = batch.rollout.completion_mask, batch.rollout
+    return {"reward": float(batch.rewards.mean()), **metrics,
             "entropy": float(_masked_mean(ro.entropy, mask)) if ro.entropy is not None else float("nan"),
             "completion_len": float(mask.sum(-1).mean()), "sample_seconds": t_sample}
 
@@ -874,12 +898,11 @@ def save_checkpoint(path, step, model, opt, gen, sample_gen) -> None:
 
 
 def plot_metrics(jsonl_path: str, png_path: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure  # no pyplot: works headless and leaves a notebook's backend alone
 
     rows = [json.loads(line) for line in open(jsonl_path)]
-    fig, axes = plt.subplots(2, 3, figsize=(13, 6.5))
+    fig = Figure(figsize=(13, 6.5))
+    axes = fig.subplots(2, 3)
     panels = [("reward & held-out accuracy", ["reward", "acc"]), ("masked fraction", ["masked_frac_pos", "masked_frac_neg"]),
               ("mean |pi(a) - mu(a)|", ["abs_dp_mean"]), ("mean divergence", ["divergence"]),
               ("entropy of mu (nats)", ["entropy"]), ("completion length (tokens)", ["completion_len"])]
@@ -889,10 +912,10 @@ def plot_metrics(jsonl_path: str, png_path: str) -> None:
             ax.plot(*zip(*pts), marker="o" if k == "acc" else None, ms=3, label=k) if pts else None
         ax.set_title(title)
         ax.set_xlabel("RL step")
-        ax.legend(fontsize=8)
+        if ax.lines:
+            ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(png_path, dpi=110)
-    plt.close(fig)
 
 
 def train(cfg: Config) -> dict:
@@ -946,9 +969,10 @@ def train(cfg: Config) -> dict:
     with contextlib.suppress(ValueError):  # signal handlers can only be set from the main thread
         old_handler = signal.signal(signal.SIGINT, on_sigint)
 
-    from tqdm.auto import tqdm
+    from tqdm import tqdm
     acc, step = acc0, start
-    bar = tqdm(range(start + 1, cfg.steps + 1), initial=start, total=cfg.steps, desc="dppo", dynamic_ncols=True)
+    bar = tqdm(range(start + 1, cfg.steps + 1), initial=start, total=cfg.steps, desc="dppo", dynamic_ncols=True,
+               disable=cfg.quiet)
     try:
         for step in bar:
             t0 = time.time()
@@ -959,9 +983,10 @@ def train(cfg: Config) -> dict:
             m["seconds"] = time.time() - t0
             with open(log_path, "a") as f:
                 f.write(json.dumps(m) + "\n")  # one flushed line per step
-            bar.write(f"step {step:4d} | reward {m['reward']:.3f} | acc {acc:.3f} | masked +{m['masked_frac_pos']:.3f}"
-                      f" -{m['masked_frac_neg']:.3f} | |pi-mu| {m['abs_dp_mean']:.4f} (max {m['abs_dp_max']:.3f}) | "
-                      f"D {m['divergence']:.4f} | H {m['entropy']:.3f} | len {m['completion_len']:.1f} | {m['seconds']:.1f}s")
+            if not cfg.quiet:
+                bar.write(f"step {step:4d} | reward {m['reward']:.3f} | acc {acc:.3f} | masked +{m['masked_frac_pos']:.3f}"
+                          f" -{m['masked_frac_neg']:.3f} | |pi-mu| {m['abs_dp_mean']:.4f} (max {m['abs_dp_max']:.3f}) | "
+                          f"D {m['divergence']:.4f} | H {m['entropy']:.3f} | len {m['completion_len']:.1f} | {m['seconds']:.1f}s")
             if step % cfg.save_every == 0 or stop["requested"]:
                 save_checkpoint(ckpt_path, step, model, opt, gen, sample_gen)
             if stop["requested"]:

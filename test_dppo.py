@@ -714,3 +714,17 @@ def test_cli_help_and_bad_flags():
     bad = subprocess.run([sys.executable, "dppo.py", "--delta_high", "-1", "--group_size", "1"], cwd=ROOT,
                          capture_output=True, text=True)
     assert bad.returncode != 0 and "delta_high must be >= 0" in bad.stderr and "group_size must be >= 2" in bad.stderr
+
+
+# ------------------------------------------------------------------------------------------------ notebook
+
+
+def test_walkthrough_notebook_executes():
+    """walkthrough.ipynb runs top to bottom headless (nbclient); every plotting cell shows its figure."""
+    import nbformat
+    from nbclient import NotebookClient
+    nb = nbformat.read(os.path.join(ROOT, "walkthrough.ipynb"), as_version=4)
+    NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": ROOT}}).execute()
+    for cell in nb.cells:
+        if cell.cell_type == "code" and "plt.show()" in cell.source:
+            assert any("image/png" in o.get("data", {}) for o in cell.outputs), cell.source[:80]
