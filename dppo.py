@@ -10,8 +10,8 @@ distribution barely moved) and under-reacts for frequent ones (0.99 -> 0.80 is r
 [0.8, 1.28], although the total variation is 0.19). DPPO keeps PPO's surrogate M_t * r_t * A_t but decides
 the mask M_t with an estimate of a real divergence (total variation or KL) between mu and pi.
 
-`python dppo.py` runs the whole thing on a laptop CPU in a few minutes: a tiny Llama-style model learns
-multi-digit addition, first by a short supervised warm start, then by DPPO. `python dppo.py --help` lists
+`python dppo.py` runs the whole thing on a 2-core CPU in about 80 seconds: a tiny Llama-style model is
+warm-started on two-digit addition with a misconception (carries often dropped), then DPPO fixes it. `python dppo.py --help` lists
 every flag; `--model` / `--task gsm8k` / `--use_vllm` is the single-GPU path for a real model.
 
 How this file departs from the paper / the usual GRPO trainer:
@@ -38,12 +38,11 @@ import re
 import signal
 import sys
 import time
-from dataclasses import asdict, dataclass, field
-from typing import Callable, Literal, Optional
+from dataclasses import dataclass, field
+from typing import Literal, Optional
 
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 # ----------------------------------------------------------------------------------------------------------
 # Configuration
@@ -375,14 +374,46 @@ def _check_sampling_args(model, prompt_ids, prompt_mask, max_new_tokens, tempera
                          f"model's context of {ctx} tokens")
 
 
+def _topk_blockwise(x: torch.Tensor, k: int, size: int = 256):
+    """torch.topk(x, k) for x (B, V), faster at large V: the top k values lie in the k blocks of `size` tokens
+    with the largest maxima, so one pass of block maxima and a top-k over k*size candidates suffice."""
+    pad = -x.shape[-1] % size
+    blocks = (F.pad(x, (0, pad), value=-math.inf) if pad else x).view(x.shape[0], -1, size)  # (B, nb, size)
+    best = blocks.amax(-1).topk(min(k, blocks.shape[1]), dim=-1).indices                      # (B, k') blocks
+    cand = blocks.gather(1, best[..., None].expand(-1, -1, size)).flatten(1)                  # (B, k' * size)
+    vals, pos = cand.topk(k, dim=-1)                                                          # (B, K) by rank
+    return vals, best.gather(1, pos // size) * size + pos % size                              # (B, K) token ids
+
+
 def _capture_topk(logp_full, tok, lp_tok, k):
     """mu's top-K of one step with the sampled token forced into the last slot if it is not there already.
     logp_full (B, V), tok (B,), lp_tok (B,) -> ids (B, K), log-probs (B, K)."""
-    vals, ids = logp_full.topk(k, dim=-1)                           # (B, K), sorted by rank
+    vals, ids = _topk_blockwise(logp_full, k)                       # (B, K), sorted by rank
     missing = ~(ids == tok[:, None]).any(-1)                        # (B,) a_t outside mu's top-K
     ids[:, -1] = torch.where(missing, tok, ids[:, -1])
     vals[:, -1] = torch.where(missing, lp_tok, vals[:, -1])
     return ids, vals
+
+
+def _blocks(x: torch.Tensor, size: int = 256) -> torch.Tensor:
+    """(B, V) -> (B, V/size, size), zero-padding V up to a multiple of size (vocabularies usually are one)."""
+    pad = -x.shape[-1] % size
+    return (F.pad(x, (0, pad)) if pad else x).view(x.shape[0], -1, size)
+
+
+def _sample_categorical(probs: torch.Tensor, generator, gen_device) -> torch.Tensor:
+    """One draw per row of probs (B, V) by inverting the CDF in two levels (blocks of 256 tokens, then within
+    the chosen block): B uniforms and one pass over V, where torch.multinomial draws B*V exponentials on a CPU."""
+    B, V = probs.shape
+    blocks = _blocks(probs)                                                           # (B, nb, 256)
+    block_cdf = blocks.sum(-1, dtype=torch.float64).cumsum(-1)                        # (B, nb)
+    u = torch.rand(B, 1, generator=generator, device=gen_device, dtype=torch.float64).to(probs.device)
+    u = u * block_cdf[:, -1:]                                                         # (B, 1) uniform on [0, total)
+    b = torch.searchsorted(block_cdf, u, right=True).clamp_max(block_cdf.shape[1] - 1)  # (B, 1) chosen block
+    u = u - torch.where(b > 0, block_cdf.gather(1, (b - 1).clamp_min(0)), torch.zeros_like(u))
+    inner = blocks.gather(1, b[..., None].expand(B, 1, blocks.shape[2]))[:, 0].double().cumsum(-1)  # (B, 256)
+    j = torch.searchsorted(inner, u, right=True).clamp_max(blocks.shape[2] - 1)     # (B, 1)
+    return (b * blocks.shape[2] + j).squeeze(-1).clamp_max(V - 1)                     # (B,)
 
 
 @torch.no_grad()  # sampling only records mu; gradients come from the training forward
@@ -399,23 +430,27 @@ def sample_with_topk(model, prompt_ids, prompt_mask, *, max_new_tokens, temperat
     attn = prompt_mask.long()                                   # (B, P)
     position = (attn.cumsum(-1) - 1).clamp_min(0)               # (B, P) left padding -> positions from 0
     cache_kw = _cache_kwarg(model)
-    out = model(input_ids=prompt_ids, attention_mask=attn, position_ids=position, use_cache=True)
+    out = model(input_ids=prompt_ids, attention_mask=attn, position_ids=position, use_cache=True,
+                logits_to_keep=1)                               # (B, 1, V): only the last position's logits
     next_pos = attn.sum(-1, keepdim=True)                       # (B, 1)
     finished = torch.zeros(B, dtype=torch.bool, device=device)  # (B,)
-    toks, lps, ents, k_ids, k_lps = [], [], [], [], []
-    for _ in range(max_new_tokens):
-        logp_full = torch.log_softmax(out.logits[:, -1].float() / temperature, dim=-1)  # (B, V), this step only
+    # outputs are written in place into preallocated (B, T_max[, K]) buffers: O(B*T*K), never O(B*V) per step
+    f32 = dict(device=device, dtype=torch.float32)
+    ids = torch.full((B, max_new_tokens), pad_token_id, dtype=torch.long, device=device)   # (B, T_max)
+    logp_mu, entropy = torch.zeros(B, max_new_tokens, **f32), torch.zeros(B, max_new_tokens, **f32)
+    topk_ids = torch.zeros(B, max_new_tokens, topk, dtype=torch.long, device=device) if topk else None
+    topk_logp_mu = torch.zeros(B, max_new_tokens, topk, **f32) if topk else None
+    for t in range(max_new_tokens):
+        z = out.logits[:, -1].float()                                                  # (B, V), this step only
+        logp_full = torch.log_softmax(z / temperature if temperature != 1.0 else z, dim=-1)  # (B, V)
         probs = logp_full.exp()                                                       # (B, V)
-        tok = torch.multinomial(probs.to(gen_device), 1, generator=generator).squeeze(-1).to(device)  # (B,)
+        tok = _sample_categorical(probs, generator, gen_device)                       # (B,)
         tok = torch.where(finished, torch.full_like(tok, pad_token_id), tok)
         lp_tok = logp_full.gather(-1, tok[:, None]).squeeze(-1)                       # (B,)
-        toks.append(tok)
-        lps.append(lp_tok)
-        ents.append(-(probs * logp_full).sum(-1))                                     # (B,)
+        ids[:, t], logp_mu[:, t] = tok, lp_tok
+        entropy[:, t] = -torch.linalg.vecdot(probs, logp_full)                        # (B,) entropy of mu
         if topk > 0:
-            ids, vals = _capture_topk(logp_full, tok, lp_tok, topk)                   # (B, K) each
-            k_ids.append(ids)
-            k_lps.append(vals)
+            topk_ids[:, t], topk_logp_mu[:, t] = _capture_topk(logp_full, tok, lp_tok, topk)  # (B, K) each
         finished |= tok == eos_token_id
         if bool(finished.all()):
             break
@@ -424,15 +459,15 @@ def sample_with_topk(model, prompt_ids, prompt_mask, *, max_new_tokens, temperat
                     use_cache=True, **{cache_kw: getattr(out, cache_kw)})
         next_pos = next_pos + 1
     model.train(was_training)
-    ids = torch.stack(toks, 1)                                                        # (B, T)
-    mask = completion_mask_from_ids(ids, eos_token_id)                                # (B, T)
+    T = t + 1                                                                         # steps actually taken
+    mask = completion_mask_from_ids(ids[:, :T], eos_token_id)                         # (B, T)
     return Rollout(
-        completion_ids=torch.where(mask.bool(), ids, torch.full_like(ids, pad_token_id)),
+        completion_ids=torch.where(mask.bool(), ids[:, :T], torch.full_like(ids[:, :T], pad_token_id)),
         completion_mask=mask,
-        logp_mu=torch.stack(lps, 1),                                                  # (B, T)
-        topk_ids=torch.stack(k_ids, 1) if topk > 0 else None,                         # (B, T, K)
-        topk_logp_mu=torch.stack(k_lps, 1) if topk > 0 else None,                     # (B, T, K)
-        entropy=torch.stack(ents, 1),                                                 # (B, T)
+        logp_mu=logp_mu[:, :T],                                                       # (B, T)
+        topk_ids=topk_ids[:, :T] if topk else None,                                   # (B, T, K)
+        topk_logp_mu=topk_logp_mu[:, :T] if topk else None,                           # (B, T, K)
+        entropy=entropy[:, :T],                                                       # (B, T)
     )
 
 
@@ -443,10 +478,27 @@ def completion_mask_from_ids(ids: torch.Tensor, eos_token_id: int) -> torch.Tens
     return (eos_before == 0).float()                          # (B, T)
 
 
-def _gather_logprobs(logits: torch.Tensor, ids: torch.Tensor, temperature: float) -> torch.Tensor:
-    """log softmax(logits / T) at ids, as gather minus logsumexp in float32: (B, c, V), (B, c, J) -> (B, c, J)."""
-    z = logits.float() / temperature                  # (B, c, V) float32 copy of one chunk only
-    return z.gather(-1, ids) - z.logsumexp(-1, keepdim=True)
+class _TemperedLogProbs(torch.autograd.Function):
+    """log softmax(logits / T) at ids, as gather minus logsumexp in float32: (B, c, V), (B, c, J) -> (B, c, J).
+
+    Written out with its gradient, d/dz_v = onehot_v * g - softmax_v * sum_j g_j (then / T), so that backward
+    needs one float32 (B, c, V) buffer and saves nothing large: the logits chunk it reads is a view of the
+    model's own output, which autograd keeps anyway."""
+
+    @staticmethod
+    def forward(ctx, logits, ids, temperature):
+        z = logits.float() / temperature                       # (B, c, V) float32 copy of one chunk only
+        lse = z.logsumexp(-1, keepdim=True)                    # (B, c, 1)
+        ctx.save_for_backward(logits, ids, lse)
+        ctx.temperature = temperature
+        return z.gather(-1, ids) - lse                         # (B, c, J)
+
+    @staticmethod
+    def backward(ctx, g):                                      # g (B, c, J)
+        logits, ids, lse = ctx.saved_tensors
+        grad = (logits.float() / ctx.temperature).sub_(lse).exp_()     # (B, c, V) softmax, built in place
+        grad.mul_(-g.sum(-1, keepdim=True)).scatter_add_(-1, ids, g)    # onehot * g - softmax * sum(g)
+        return grad.div_(ctx.temperature).to(logits.dtype), None, None
 
 
 def policy_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, *, temperature=1.0,
@@ -457,21 +509,17 @@ def policy_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_m
     ids = torch.cat([prompt_ids, completion_ids], dim=1)                       # (B, P + T)
     attn = torch.cat([prompt_mask.long(), completion_mask.long()], dim=1)      # (B, P + T)
     position = (attn.cumsum(-1) - 1).clamp_min(0)                              # (B, P + T)
-    logits = model(input_ids=ids, attention_mask=attn, position_ids=position,
-                   logits_to_keep=T + 1).logits[:, :-1]                         # (B, T, V): logits before each a_t
+    keep = torch.arange(P - 1, P + T - 1, device=ids.device)                  # (T,) positions that predict a_t
+    logits = model(input_ids=ids, attention_mask=attn, position_ids=position, logits_to_keep=keep).logits  # (B, T, V)
     targets = completion_ids[..., None]                                         # (B, T, 1)
     if topk_ids is not None:
         targets = torch.cat([targets, topk_ids], dim=-1)                        # (B, T, 1 + K)
     B, _, V = logits.shape
     step = max(1, chunk_bytes // (B * V * 4))  # time steps per chunk so that one float32 chunk ~ chunk_bytes
-    pieces = []
-    for s in range(0, T, step):
-        args = (logits[:, s:s + step], targets[:, s:s + step], temperature)
-        if torch.is_grad_enabled() and logits.requires_grad:
-            # recompute the chunk in backward instead of keeping its float32 copy alive: O(B*c*V), not O(B*T*V)
-            pieces.append(checkpoint(_gather_logprobs, *args, use_reentrant=False))
-        else:
-            pieces.append(_gather_logprobs(*args))
+    # one float32 chunk of time steps at a time: O(B*c*V) working memory, not O(B*T*V); split (not slicing)
+    # so that backward assembles the logits' gradient in one buffer rather than one per chunk
+    pieces = [_TemperedLogProbs.apply(lg, tg, temperature)
+              for lg, tg in zip(logits.split(step, dim=1), targets.split(step, dim=1))]
     out = torch.cat(pieces, dim=1)                                              # (B, T, 1 + K)
     topk_logp = out[..., 1:].detach() if topk_ids is not None else None         # (B, T, K): pi at mu's ids, a constant
     return out[..., 0], topk_logp

@@ -410,6 +410,24 @@ def test_sampler_capture_equals_training_forward(kind, temperature):
     assert logp.requires_grad and not tk.requires_grad
 
 
+def test_training_forward_gradient_matches_autograd_log_softmax():
+    """policy_logprobs' hand-written backward equals autograd through log_softmax(logits / T).gather."""
+    model = tiny_model("qwen2").train()
+    ids, mask = left_padded_prompts(40, [4, 2, 6])
+    comp = torch.randint(3, 40, (3, 7), generator=torch.Generator().manual_seed(0))
+    comp_mask = torch.ones(3, 7)
+    w = torch.randn(3, 7, generator=torch.Generator().manual_seed(1))  # arbitrary upstream gradient
+    logp, _ = dppo.policy_logprobs(model, ids, mask, comp, comp_mask, temperature=0.7)
+    grads = torch.autograd.grad((logp * w).sum(), list(model.parameters()))
+    full = torch.cat([ids, comp], 1)
+    attn = torch.cat([mask, comp_mask.long()], 1)
+    logits = model(input_ids=full, attention_mask=attn, position_ids=(attn.cumsum(-1) - 1).clamp_min(0)).logits
+    ref = torch.log_softmax(logits[:, ids.shape[1] - 1:-1].double() / 0.7, -1).gather(-1, comp[..., None])[..., 0]
+    ref_grads = torch.autograd.grad((ref * w.double()).sum(), list(model.parameters()))
+    assert torch.allclose(logp.double(), ref, atol=1e-5)
+    assert all(torch.allclose(a, b.float(), atol=1e-5, rtol=1e-4) for a, b in zip(grads, ref_grads))
+
+
 def test_sampler_capture_matches_chunked_forward():
     """Chunking the training forward over T (tiny chunk budget) gives the same log-probs and gradients."""
     model = tiny_model("llama")
@@ -450,6 +468,17 @@ def test_sampler_frequencies_follow_tempered_softmax(temperature):
     assert tv(target, other_t) > 0.06 and tv(freq, other_t) > 0.04      # the test can tell temperatures apart
     assert tv(target, truncated) > 0.02 and freq[~top50].sum() > 0.02     # and sees the tail a top-50 sampler drops
     assert torch.allclose(ro.logp_mu[:, 0].double(), torch.log_softmax(logits.double() / temperature, -1)[ro.completion_ids[:, 0]], atol=1e-5)
+
+
+@pytest.mark.parametrize("V", [300, 512, 1000])
+def test_blockwise_topk_equals_torch_topk(V):
+    """The blockwise top-K used by the sampler returns torch.topk's values, at distinct ids holding those values
+    (V a multiple of 256 or not; ids of exactly tied values may come in another order)."""
+    x = torch.randn(7, V, generator=torch.Generator().manual_seed(V)).log_softmax(-1)
+    for k in (1, 20, V // 2, V):
+        vals, ids = dppo._topk_blockwise(x, k)
+        assert torch.equal(vals, x.topk(k, dim=-1).values)
+        assert torch.equal(x.gather(-1, ids), vals) and all(len(set(r)) == k for r in ids.tolist())
 
 
 def test_sampler_topk_contains_sampled_token_and_is_sorted():
@@ -728,3 +757,38 @@ def test_walkthrough_notebook_executes():
     for cell in nb.cells:
         if cell.cell_type == "code" and "plt.show()" in cell.source:
             assert any("image/png" in o.get("data", {}) for o in cell.outputs), cell.source[:80]
+
+
+# ------------------------------------------------------------------------------------------------ benchmark
+
+
+def test_training_forward_makes_no_extra_full_vocab_float32_tensor():
+    """policy_logprobs forward + backward creates exactly two (B, T, V) float32 buffers: logits and their grad."""
+    from bench_dppo import FullVocabTensors
+    V = 2000  # large enough that no hidden activation reaches B*T*V elements
+    model = tiny_model("llama", V=V).train()
+    ids, mask = left_padded_prompts(V, [3, 5, 4])
+    comp = torch.randint(3, V, (3, 16), generator=torch.Generator().manual_seed(0))
+    topk_ids = torch.randint(0, V, (3, 16, 5), generator=torch.Generator().manual_seed(1))
+    counter = FullVocabTensors(3 * 16 * V)
+    with counter:
+        logp, _ = dppo.policy_logprobs(model, ids, mask, comp, torch.ones(3, 16), topk_ids=topk_ids,
+                                       chunk_bytes=3 * 4 * V * 4)  # 4 time steps per float32 chunk
+        logp.sum().backward()
+    assert len(counter.seen) == 2, counter.seen
+
+
+def test_benchmark_runs_at_tiny_sizes(capsys):
+    """bench_dppo's three sections run end to end at tiny sizes and print every row."""
+    import argparse
+    import bench_dppo
+    args = argparse.Namespace(capture=[(500, 4, [4, 8])], lengths=[8], batch=4, loss_vocab=500, train_prompts=4,
+                              repeats=1, k=20)
+    device = torch.device("cpu")
+    bench_dppo.bench_capture(args, device)
+    bench_dppo.bench_loss(args, device)
+    bench_dppo.bench_train_step(args, device)
+    out = capsys.readouterr().out
+    for row in ["sample_with_topk K=0", "sample_with_topk K=20", "generate(output_logits) + top-K", "| ratio_clip |",
+                "| binary_tv |", "| binary_kl |", "| topk_tv |", "| topk_kl |", "collect_rollout", "update_policy"]:
+        assert row in out, row

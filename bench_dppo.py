@@ -1,0 +1,267 @@
+"""
+Benchmarks for dppo.py: what top-K capture and the DPPO loss cost, against the cheapest baselines, in one run.
+
+    python bench_dppo.py            # full sizes (B = 64, T = 128, V = 32k; B = 16 at 152k); ~10 min on 2 CPU cores
+    python bench_dppo.py --quick    # small sizes, a smoke run; ~1-2 minutes
+
+Every time is the median of --repeats runs after one warm-up; every comparison is a ratio of two figures
+measured in this same run, with the runs of the compared functions interleaved round by round. Peak memory is the peak of tensor storage created during the call and still alive
+(PeakTensorMemory, measured in the untimed warm-up run): the same measure on CPU and GPU, blind to allocator caching, and
+excluding what existed before the call (the weights).
+"""
+import argparse
+import os
+import statistics
+import time
+import weakref
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+import dppo
+
+
+# ----------------------------------------------------------------------------------------------- measuring
+
+
+class PeakTensorMemory(TorchDispatchMode):
+    """Peak bytes of tensor storage created by the ops run inside it and still alive, the same on CPU and GPU.
+
+    Every op output whose storage is new (not one of the op's inputs) is counted until Python frees that
+    storage. Unlike the process's resident set size it does not depend on the allocator's caching."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = self.peak = 0
+        self.ptrs = set()
+
+    def _free(self, ptr, n):
+        self.live -= n
+        self.ptrs.discard(ptr)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        flat_in, _ = tree_flatten((args, kwargs))
+        inputs = {t.untyped_storage().data_ptr() for t in flat_in if isinstance(t, torch.Tensor)}
+        out = func(*args, **kwargs)
+        flat_out, _ = tree_flatten(out)
+        for t in flat_out:
+            if not isinstance(t, torch.Tensor):
+                continue
+            s = t.untyped_storage()
+            ptr = s.data_ptr()
+            if ptr and ptr not in inputs and ptr not in self.ptrs:
+                self.ptrs.add(ptr)
+                self.live += s.nbytes()
+                self.peak = max(self.peak, self.live)
+                weakref.finalize(s, self._free, ptr, s.nbytes())
+        return out
+
+
+def measure(fns: dict, device, repeats) -> dict:
+    """{name: fn} -> {name: (median wall time in s, peak tensor memory in MB)}.
+
+    Each fn first runs once untimed under PeakTensorMemory (warm-up and memory). The timed runs are then
+    interleaved, one of each fn per round, so that the machine's drift hits every fn alike and the ratios
+    between them stay meaningful on a noisy machine."""
+    peaks, times = {}, {name: [] for name in fns}
+    for name, fn in fns.items():
+        mem = PeakTensorMemory()
+        with mem:
+            fn()
+        peaks[name] = mem.peak / 2 ** 20
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            times[name].append(time.perf_counter() - t0)
+    return {name: (statistics.median(times[name]), peaks[name]) for name in fns}
+
+
+class FullVocabTensors(TorchDispatchMode):
+    """Records the new float32 storages of at least `threshold` elements (i.e. (B, T, V)-sized) that ops create."""
+
+    def __init__(self, threshold):
+        super().__init__()
+        self.threshold, self.seen = threshold, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        inputs = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor) and t.dtype == torch.float32 and t.numel() >= self.threshold:
+                ptr = t.untyped_storage().data_ptr()
+                if ptr not in inputs:  # views and in-place results share an input's storage: not new memory
+                    self.seen.append(str(func))
+        return out
+
+
+def narrow_model(V, device, hidden=64):
+    """A 1-layer Llama with a small hidden size, so that the V-sized LM head dominates the cost."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=V, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=1024,
+                      pad_token_id=0, eos_token_id=1, bos_token_id=None)
+    return LlamaForCausalLM(cfg).to(device).eval()
+
+
+def table(title, header, rows):
+    print(f"\n### {title}\n")
+    print("| " + " | ".join(header) + " |")
+    print("|" + "|".join(" --- " for _ in header) + "|")
+    for r in rows:
+        print("| " + " | ".join(str(x) for x in r) + " |")
+
+
+# ------------------------------------------------------------------------------------------ 1. rollout capture
+
+
+def generate_posthoc_topk(model, ids, mask, T, K):
+    """The usual route: generate(output_logits=True) keeps (B, V) float32 logits per step; top-K extracted after."""
+    out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, top_k=0, top_p=1.0, temperature=1.0,
+                         max_new_tokens=T, min_new_tokens=T, output_logits=True, return_dict_in_generate=True,
+                         pad_token_id=0, eos_token_id=1)
+    logits = torch.stack(out.logits, dim=1).float()                       # (B, T, V) float32: grows as T*B*V
+    logp = torch.log_softmax(logits, dim=-1)                              # (B, T, V)
+    seq = out.sequences[:, ids.shape[1]:]                                 # (B, T)
+    return logp.gather(-1, seq[..., None]), logp.topk(K, dim=-1)
+
+
+def bench_capture(args, device):
+    rows = []
+    for V, B, lengths in args.capture:
+        model = narrow_model(V, device)
+        ids = torch.randint(2, V, (B, 16), device=device)
+        mask = torch.ones_like(ids)
+        res = {}
+        for T in lengths:
+            gen = lambda: torch.Generator(device=device).manual_seed(0)  # noqa: E731
+            fns = {
+                "sample_with_topk K=0": lambda: dppo.sample_with_topk(model, ids, mask, max_new_tokens=T, topk=0,
+                                                                      eos_token_id=1, pad_token_id=0, generator=gen()),
+                f"sample_with_topk K={args.k}": lambda: dppo.sample_with_topk(model, ids, mask, max_new_tokens=T,
+                                                                              topk=args.k, eos_token_id=1,
+                                                                              pad_token_id=0, generator=gen()),
+                "generate(output_logits) + top-K": lambda: generate_posthoc_topk(model, ids, mask, T, args.k),
+            }
+            for name, r in measure(fns, device, args.repeats).items():
+                res[name, T] = r
+        for (name, t_len), (sec, mb) in res.items():
+            base_t, base_m = res["sample_with_topk K=0", t_len]
+            grow = f"{mb - res[name, lengths[0]][1]:+.1f}" if t_len != lengths[0] else ""
+            rows.append([f"{V // 1000}k", B, name, t_len, f"{sec:.3f}", f"{sec / base_t:.3f}x", f"{mb:.1f}",
+                         f"{mb / base_m:.3f}x", grow])
+    table("Rollout capture (prompt 16 tokens, narrow 1-layer model)",
+          ["V", "B", "method", "T", "time (s)", "time vs K=0", "peak MB", "peak vs K=0",
+           "peak growth from the shorter T (MB)"], rows)
+
+
+# ----------------------------------------------------------------------------------------------- 2. loss step
+
+
+def bench_loss(args, device):
+    V, K, B, T, P = args.loss_vocab, args.k, args.batch, max(args.lengths), 16
+    model = narrow_model(V, device).train()
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(2, V, (B, P), generator=g).to(device)
+    prompt_mask = torch.ones_like(prompt)
+    comp = torch.randint(2, V, (B, T), generator=g).to(device)
+    comp_mask = torch.ones(B, T, device=device)
+    with torch.no_grad():
+        logp_mu, tk_mu = dppo.policy_logprobs(model, prompt, prompt_mask, comp, comp_mask,
+                                              topk_ids=torch.randint(2, V, (B, T, K), generator=g).to(device))
+    topk_ids = torch.cat([comp[..., None], torch.randint(2, V, (B, T, K - 1), generator=g).to(device)], -1)
+    tk_mu = torch.cat([logp_mu[..., None], tk_mu[..., 1:]], -1)  # a_t in slot 0, like the sampler's capture
+    adv = torch.randn(B, generator=g).to(device)
+
+    def step(kind):
+        topk = kind.startswith("topk")
+        logp, tk = dppo.policy_logprobs(model, prompt, prompt_mask, comp, comp_mask, topk_ids=topk_ids if topk else None)
+        if kind == "ratio_clip":
+            loss, _ = dppo.ratio_clip_loss(logp, logp_mu, adv, comp_mask)
+        else:
+            loss, _ = dppo.dppo_loss(logp, logp_mu, adv, comp_mask, divergence_type=kind, topk_logp=tk,
+                                     topk_logp_mu=tk_mu if topk else None)
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    res = measure({k: (lambda k=k: step(k)) for k in ["ratio_clip", "binary_tv", "binary_kl", "topk_tv", "topk_kl"]},
+                  device, args.repeats)
+    counter = FullVocabTensors(B * T * V)
+    with counter:
+        step("topk_kl")
+    made_by = counter.seen
+    rows = [[k, f"{s:.3f}", f"{s / res['ratio_clip'][0]:.3f}x", f"{m:.0f}", f"{m / res['ratio_clip'][1]:.3f}x"]
+            for k, (s, m) in res.items()]
+    table(f"Loss step: policy_logprobs + loss, forward + backward ({B * T} completion tokens, V = {V // 1000}k, "
+          f"K = {K})", ["loss", "time (s)", "time vs ratio_clip", "peak MB", "peak vs ratio_clip"], rows)
+    print(f"\nNew float32 (B, T, V)-sized buffers in one topk_kl step, forward + backward: {len(counter.seen)}, "
+          f"made by {made_by}. Expected: the model's logits and their gradient; the float32 working copies in "
+          f"policy_logprobs are one chunk of the time axis each.")
+
+
+# ------------------------------------------------------------------------------------------ 3. training step
+
+
+def bench_train_step(args, device):
+    cfg = dppo.Config(prompts_per_step=args.train_prompts)
+    gen = dppo.seed_everything(0)
+    ds, reward_fn, L = dppo.load_task(cfg)
+    model, tok = dppo.load_model_and_tokenizer(cfg, device)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    rows = ds["train"][list(range(cfg.prompts_per_step))]
+    batch = dppo.collect_rollout(model, tok, rows, reward_fn, cfg, gen, gen, model, L)
+
+    def scoring():
+        with torch.no_grad():
+            for idx in torch.arange(len(batch.advantages)).chunk(cfg.num_minibatches):
+                dppo.policy_logprobs(model, batch.prompt_ids[idx], batch.prompt_mask[idx],
+                                     batch.rollout.completion_ids[idx], batch.rollout.completion_mask[idx])
+
+    res = measure({"sample": lambda: dppo.collect_rollout(model, tok, rows, reward_fn, cfg, gen, gen, model, L),
+                   "score": scoring, "update": lambda: dppo.update_policy(model, opt, batch, cfg, gen)},
+                  device, args.repeats)
+    (t_sample, _), (t_score, _), (t_update, _) = res["sample"], res["score"], res["update"]
+    total = t_sample + t_update
+    table(f"One step of the default `python dppo.py` configuration ({cfg.prompts_per_step} x {cfg.group_size} "
+          f"completions, {cfg.num_minibatches} mini-batches)", ["part", "time (s)", "share of the step"],
+          [["sampling with capture + rewards + advantages (collect_rollout)", f"{t_sample:.3f}", f"{t_sample / total:.0%}"],
+           ["scoring: the training forward alone, no grad (part of the update)", f"{t_score:.3f}", f"{t_score / total:.0%}"],
+           ["update: M x (forward + loss + backward + AdamW) (update_policy)", f"{t_update:.3f}", f"{t_update / total:.0%}"]])
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="small sizes: a smoke run in about a minute")
+    p.add_argument("--repeats", type=int, default=5, help="measured repeats per figure (after one warm-up)")
+    p.add_argument("--device", default="auto")
+    args = p.parse_args()
+    if args.repeats < 1:
+        p.error("--repeats must be >= 1")
+    device = dppo.pick_device(args.device)
+    if args.quick:
+        args.capture, args.lengths, args.batch, args.loss_vocab, args.train_prompts = \
+            [(32_000, 16, [8, 32])], [32], 16, 32_000, 8
+    else:  # B = 16 at V = 152k keeps the whole run within ~10 minutes on 2 CPU cores
+        args.capture, args.lengths, args.batch, args.loss_vocab, args.train_prompts = \
+            [(32_000, 64, [32, 128]), (152_064, 16, [128])], [128], 64, 32_000, 32
+    args.k = 20
+    print(f"device: {device} | torch {torch.__version__} | threads {torch.get_num_threads()} | "
+          f"{'quick' if args.quick else 'full'} sizes | median of {args.repeats} after 1 warm-up")
+    t0 = time.time()
+    bench_capture(args, device)
+    bench_loss(args, device)
+    bench_train_step(args, device)
+    print(f"\ntotal benchmark time: {time.time() - t0:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
