@@ -374,11 +374,16 @@ def _check_sampling_args(model, prompt_ids, prompt_mask, max_new_tokens, tempera
                          f"model's context of {ctx} tokens")
 
 
+def _blocks(x: torch.Tensor, size: int = 256, fill: float = 0.0) -> torch.Tensor:
+    """(B, V) -> (B, V/size, size), padding V with `fill` up to a multiple of size (vocabularies usually are one)."""
+    pad = -x.shape[-1] % size
+    return (F.pad(x, (0, pad), value=fill) if pad else x).view(x.shape[0], -1, size)
+
+
 def _topk_blockwise(x: torch.Tensor, k: int, size: int = 256):
     """torch.topk(x, k) for x (B, V), faster at large V: the top k values lie in the k blocks of `size` tokens
     with the largest maxima, so one pass of block maxima and a top-k over k*size candidates suffice."""
-    pad = -x.shape[-1] % size
-    blocks = (F.pad(x, (0, pad), value=-math.inf) if pad else x).view(x.shape[0], -1, size)  # (B, nb, size)
+    blocks = _blocks(x, size, fill=-math.inf)                                                 # (B, nb, size)
     best = blocks.amax(-1).topk(min(k, blocks.shape[1]), dim=-1).indices                      # (B, k') blocks
     cand = blocks.gather(1, best[..., None].expand(-1, -1, size)).flatten(1)                  # (B, k' * size)
     vals, pos = cand.topk(k, dim=-1)                                                          # (B, K) by rank
@@ -393,12 +398,6 @@ def _capture_topk(logp_full, tok, lp_tok, k):
     ids[:, -1] = torch.where(missing, tok, ids[:, -1])
     vals[:, -1] = torch.where(missing, lp_tok, vals[:, -1])
     return ids, vals
-
-
-def _blocks(x: torch.Tensor, size: int = 256) -> torch.Tensor:
-    """(B, V) -> (B, V/size, size), zero-padding V up to a multiple of size (vocabularies usually are one)."""
-    pad = -x.shape[-1] % size
-    return (F.pad(x, (0, pad)) if pad else x).view(x.shape[0], -1, size)
 
 
 def _sample_categorical(probs: torch.Tensor, generator, gen_device) -> torch.Tensor:
