@@ -11,8 +11,9 @@ distribution barely moved) and under-reacts for frequent ones (0.99 -> 0.80 is r
 the mask M_t with an estimate of a real divergence (total variation or KL) between mu and pi.
 
 `python dppo.py` runs the whole thing on a 2-core CPU in about 80 seconds: a tiny Llama-style model is
-warm-started on two-digit addition with a misconception (carries often dropped), then DPPO fixes it. `python dppo.py --help` lists
-every flag; `--model` / `--task gsm8k` / `--use_vllm` is the single-GPU path for a real model.
+warm-started on two-digit addition with a misconception (carries often dropped), then DPPO fixes it.
+`python dppo.py --help` lists every flag; `--model` / `--task gsm8k` / `--use_vllm` is the single-GPU path
+for a real model.
 
 How this file departs from the paper / the usual GRPO trainer:
   1. Two policies, not three: the importance weight and the divergence are both anchored to mu, the policy
@@ -614,12 +615,14 @@ def rollout_from_sequences(seqs, rows, eos_token_id, pad_token_id) -> Rollout:
 
 
 def binary_tv(logp: torch.Tensor, logp_mu: torch.Tensor) -> torch.Tensor:
-    """Binary TV, paper Eq. 13: D = |mu(a_t) - pi(a_t)| (TV of {a_t, rest}; the 1/2 cancels)."""
+    """Binary TV (the paper's binary approximation): D = |mu(a_t) - pi(a_t)|,
+    the TV of the partition {a_t, rest} (the 1/2 cancels)."""
     return (_logp32(logp).exp() - _logp32(logp_mu).exp()).abs()  # (B, T)
 
 
 def binary_kl(logp: torch.Tensor, logp_mu: torch.Tensor) -> torch.Tensor:
-    """Binary KL, paper Eq. 14: D = mu log(mu/pi) + (1-mu) log((1-mu)/(1-pi)), mu,pi of the sampled token."""
+    """Binary KL (the paper's binary approximation): D = mu log(mu/pi) + (1-mu) log((1-mu)/(1-pi)),
+    with mu, pi the sampled token's probabilities."""
     lq, lp = _logp32(logp).clamp_max(LOG1M_GUARD), _logp32(logp_mu).clamp_max(LOG1M_GUARD)  # pi, mu; (B, T)
     p_mu, p_rest = lp.exp(), -torch.expm1(lp)  # mu(a_t) and 1 - mu(a_t), the latter without cancellation
     kl = p_mu * (lp - lq) + p_rest * (_log1mexp(lp) - _log1mexp(lq))  # (B, T)
@@ -635,14 +638,15 @@ def _topk_buckets(topk_logp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def topk_tv(topk_logp: torch.Tensor, topk_logp_mu: torch.Tensor) -> torch.Tensor:
-    """Top-K TV, paper Eq. 15: 1/2 sum over A'_t + {other} of |mu - pi|; A'_t = TopK(mu) with a_t forced in."""
+    """Top-K TV (the paper's top-K approximation): 1/2 sum over A'_t + {other} of |mu - pi|,
+    A'_t = TopK(mu) with a_t forced in."""
     p, _ = _topk_buckets(topk_logp)      # (B, T, K+1)
     p_mu, _ = _topk_buckets(topk_logp_mu)  # (B, T, K+1)
     return 0.5 * (p_mu - p).abs().sum(-1)  # (B, T)
 
 
 def topk_kl(topk_logp: torch.Tensor, topk_logp_mu: torch.Tensor) -> torch.Tensor:
-    """Top-K KL, paper Eq. 16: sum over A'_t + {other} of mu (log mu - log pi)."""
+    """Top-K KL (the paper's top-K approximation): sum over A'_t + {other} of mu (log mu - log pi)."""
     _, logs = _topk_buckets(topk_logp)           # (B, T, K+1)
     p_mu, logs_mu = _topk_buckets(topk_logp_mu)  # (B, T, K+1)
     return (p_mu * (logs_mu - logs)).sum(-1).clamp_min(0.0)  # (B, T)

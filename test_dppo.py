@@ -570,6 +570,12 @@ def test_vllm_conversion_rejects_nan_and_missing_tokens():
         dppo.vllm_logprobs_to_tensors([{1: lp(-0.1, 1), 2: lp(-1.0, 2)}], [1], k=3)
 
 
+def test_vllm_topk_above_cap_raises_before_import():
+    """A top-K above vLLM's max_logprobs (20 unless raised) is refused before vLLM is imported or started."""
+    with pytest.raises(ValueError, match="exceeds vLLM's max_logprobs=20"):
+        dppo.VLLMSampler("any-model", topk=21, max_model_len=64)
+
+
 def test_rollout_from_vllm_sequences_pads_and_masks():
     """Sequences of different lengths are padded; the mask stops after EOS and at each sequence's end."""
     rows = [(torch.tensor([-0.1, -0.2]), torch.tensor([[5, 6], [1, 2]]), torch.tensor([[-0.1, -3.0], [-0.2, -2.0]])),
