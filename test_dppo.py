@@ -1046,3 +1046,98 @@ def test_benchmark_runs_at_tiny_sizes(capsys):
     for row in ["sample_with_topk K=0", "sample_with_topk K=20", "generate(output_logits) + top-K", "| ratio_clip |",
                 "| binary_tv |", "| binary_kl |", "| topk_tv |", "| topk_kl |", "collect_rollout", "update_policy"]:
         assert row in out, row
+
+
+# ------------------------------------------------------------------------------------ TRL example (optional)
+
+
+@pytest.fixture(scope="module")
+def trl_example():
+    pytest.importorskip("trl")
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    import trl_dppo
+    return trl_dppo
+
+
+def make_trl_trainer(trl_example, model_dir, tmp_path, **kw):
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+    base = dict(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=8, num_generations=4,
+                max_completion_length=4, learning_rate=1e-4, report_to="none", use_cpu=True, save_strategy="no",
+                logging_steps=1, disable_tqdm=True, seed=0)
+    ds = Dataset.from_dict({"prompt": ["12+34=", "07+45=", "50+05=", "99+01="] * 4, "answer": ["046", "052", "055", "100"] * 4})
+    tok = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
+    return trl_example.DPPOTrainer(model=model_dir, reward_funcs=dppo.number_reward, train_dataset=ds,
+                                   processing_class=tok, args=trl_example.DPPOConfig(**{**base, **kw}))
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "bnpo"])
+@pytest.mark.parametrize("div", ["binary_tv", "binary_kl"])
+def test_trl_loss_and_gradient_equal_dppo_loss(trl_example, warm_model, tmp_path, loss_type, div):
+    """The overridden _compute_loss equals dppo.dppo_loss on the same tensors (loss 1e-6, gradient 1e-5)."""
+    trainer = make_trl_trainer(trl_example, warm_model[0], tmp_path, loss_type=loss_type, divergence_type=div,
+                               delta_low=0.02, delta_high=0.02)
+    model = trainer.model.eval()
+    g = torch.Generator().manual_seed(0)
+    p_ids, p_mask = dppo.encode_prompts(dppo.build_char_tokenizer(), ["12+34=", "07+45=", "5+05=", "99+01="], "cpu")
+    c_ids = torch.tensor([dppo.build_char_tokenizer()(a).input_ids + [1] for a in ["046", "052", "055", "100"]])
+    c_mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 1, 1]])
+    with torch.no_grad():
+        ref_logp, _, _ = trainer._get_per_token_logps_and_entropies(
+            model, torch.cat([p_ids, c_ids], 1), torch.cat([p_mask, c_mask], 1), 4)
+    logp_mu = ref_logp + 0.3 * torch.randn(4, 4, generator=g)  # an engine that disagrees: some tokens masked
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
+    inputs = dict(prompt_ids=p_ids, prompt_mask=p_mask, completion_ids=c_ids, completion_mask=c_mask,
+                  advantages=adv, num_items_in_batch=c_mask.sum(), sampling_per_token_logps=logp_mu)
+    params = [p for p in model.parameters() if p.requires_grad]
+    loss = trainer._compute_loss(model, inputs)
+    grads = torch.autograd.grad(loss, params)
+    logp, _, _ = trainer._get_per_token_logps_and_entropies(
+        model, torch.cat([p_ids, c_ids], 1), torch.cat([p_mask, c_mask], 1), 4)
+    ref, m = dppo.dppo_loss(logp, logp_mu, adv, c_mask, divergence_type=div, delta_low=0.02, delta_high=0.02)
+    ref_grads = torch.autograd.grad(ref, params)
+    assert 0 < m["masked_frac"] < 1
+    assert abs(float(loss.detach()) - float(ref.detach())) <= 1e-6
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(grads, ref_grads))
+    assert trainer._metrics["eval"]["dppo/anchor_is_rollout"] == [1.0]  # eval(): no dropout, no accumulation
+
+
+@pytest.mark.parametrize("kw,match", [
+    ({"loss_type": "grpo"}, "loss_type must be one of"),
+    ({"importance_sampling_level": "sequence"}, "importance_sampling_level must be 'token'"),
+    ({"use_vllm": True, "vllm_importance_sampling_correction": True}, "vllm_importance_sampling_correction must be False"),
+    ({"top_p": 0.9}, "top_p=1, top_k=0"),
+    ({"top_k": 50}, "top_p=1, top_k=0"),
+    ({"min_p": 0.05}, "top_p=1, top_k=0"),
+    ({"repetition_penalty": 1.1}, "top_p=1, top_k=0"),
+    ({"divergence_type": "topk_tv"}, "divergence_type must be binary_tv or binary_kl"),
+    ({"beta": 0.04}, "beta must be 0"),
+    ({"off_policy_mask_threshold": 0.5}, "off_policy_mask_threshold"),
+])
+def test_trl_refuses_settings_it_would_ignore(trl_example, kw, match):
+    """Each setting the override would silently ignore or get wrong is refused before training."""
+    base = dict(output_dir="unused", report_to="none", use_cpu=True, per_device_train_batch_size=8, num_generations=4)
+    with pytest.raises(ValueError, match=match):
+        trl_example.DPPOTrainer(model="unused", args=trl_example.DPPOConfig(**{**base, **kw}))
+
+
+def test_trl_training_steps_run_and_log_the_anchor(trl_example, warm_model, tmp_path):
+    """Off-policy steps (4 per generation batch, no vLLM): finite loss, TRL's logger carries DPPO's metrics and
+    says the anchor was TRL's recomputed old policy."""
+    trainer = make_trl_trainer(trl_example, warm_model[0], tmp_path, max_steps=4, steps_per_generation=4,
+                               per_device_train_batch_size=4)
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "dppo/masked_frac" in h]
+    assert len(logs) == 4 and all(math.isfinite(h["loss"]) for h in logs)
+    assert [h["dppo/anchor_is_recomputed"] for h in logs] == [1.0] * 4
+    assert all(h["dppo/anchor_is_rollout"] == 0.0 for h in logs)
+
+
+def test_trl_two_process_cpu_run(trl_example, warm_model, tmp_path):
+    """torchrun with 2 CPU processes (gloo): the example's entry point trains and exits 0."""
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                          os.path.join(ROOT, "examples", "trl_dppo.py"), "--model", warm_model[0], "--max_steps", "2",
+                          "--output_dir", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "2 process(es)" in out.stdout and "dppo/masked_frac" in out.stdout + out.stderr

@@ -1,0 +1,167 @@
+"""
+DPPO inside TRL's GRPOTrainer, by overriding one method: the path to several GPUs, DeepSpeed/FSDP and a vLLM
+server, with the math imported from dppo.py rather than written again.
+
+GRPOTrainer already produces everything the binary divergences need: the sampled tokens, the advantages, the
+current log pi(a_t) (with gradient) and, under vLLM, the engine's log mu(a_t) for every sampled token
+(`sampling_per_token_logps`; its vLLM path requests logprobs=0). So `DPPOTrainer` overrides `_compute_loss` alone
+and calls `dppo.dppo_loss` (binary_tv / binary_kl trust region, stop-gradient weight, token-mean aggregation).
+The top-K divergences would need mu's top-K log-probs from the engine, which GRPOTrainer does not keep.
+
+The anchor mu, in order of preference (logged as `dppo/anchor_is_rollout` and `dppo/anchor_is_recomputed`):
+  1. the rollout engine's log-probs (`use_vllm=True`): the paper's anchor, the policy that actually sampled;
+  2. TRL's recomputed `old_per_token_logps` (off-policy updates without vLLM: steps_per_generation >
+     gradient_accumulation_steps or num_iterations > 1): a trainer forward before the updates. Not the paper's
+     anchor: it hides training-inference mismatch (paper Fig. 4), but without a separate engine the two agree;
+  3. the detached current log-probs (fully on-policy): pi == mu, the mask is all ones.
+
+Run here: `python examples/trl_dppo.py` trains the embedded tiny model of dppo.py (warm-started by dppo.train) on
+its addition task on a CPU. Scaling out, unchanged code:
+  accelerate launch --num_processes 8 examples/trl_dppo.py --model Qwen/Qwen2.5-0.5B-Instruct --use_vllm \
+      --vllm_mode colocate                     # or: trl vllm-serve --model ... on other GPUs, --vllm_mode server
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import warnings
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import trl
+from trl import GRPOConfig, GRPOTrainer
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # dppo.py sits one folder up
+import dppo  # noqa: E402
+
+TESTED_TRL = ("1.16",)           # minor versions this example was run with
+AGGREGATIONS = ("dapo", "bnpo")  # token-mean losses; the anchor-free ones (grpo, sapo, ...) are refused
+
+
+@dataclass
+class DPPOConfig(GRPOConfig):
+    """GRPOConfig plus DPPO's trust region. Defaults differ from GRPOConfig where GRPO's would be wrong here."""
+    divergence_type: str = field(default="binary_tv", metadata={"help": "binary_tv or binary_kl."})
+    delta_low: Optional[float] = field(default=None, metadata={"help": "Trust region for A<0; default 0.15 (TV), 0.05 (KL)."})
+    delta_high: Optional[float] = field(default=None, metadata={"help": "Trust region for A>0; default as delta_low."})
+    ratio_cap: Optional[float] = field(default=None, metadata={"help": "Optional cap on the importance weight."})
+    vllm_importance_sampling_correction: bool = field(
+        default=False, metadata={"help": "Must stay False: DPPO's own weight pi/mu already anchors to the engine."})
+    scale_rewards: str = field(default="none", metadata={"help": "The paper does not divide by the group std."})
+
+
+def unsupported_settings(args: GRPOConfig) -> list[str]:
+    """Every GRPOConfig setting the overridden loss would silently ignore or get wrong."""
+    get = lambda name, default=None: getattr(args, name, default)  # noqa: E731  (fields differ across versions)
+    problems = []
+    if get("divergence_type") not in ("binary_tv", "binary_kl"):
+        problems.append(f"divergence_type must be binary_tv or binary_kl (top-K needs mu's top-K, which TRL does "
+                        f"not keep), got {get('divergence_type')!r}")
+    if get("loss_type") not in AGGREGATIONS:
+        problems.append(f"loss_type must be one of {AGGREGATIONS} (token-mean aggregation), got {get('loss_type')!r}")
+    if get("importance_sampling_level", "token") != "token":
+        problems.append("importance_sampling_level must be 'token': DPPO's weight and mask are per token")
+    if get("use_vllm", False) and get("vllm_importance_sampling_correction", False):
+        problems.append("vllm_importance_sampling_correction must be False: DPPO's weight already divides by the "
+                        "engine's mu, a second correction would apply it twice")
+    if (get("top_p") or 1.0) != 1.0 or (get("top_k") or 0) not in (0, -1) or get("min_p") \
+            or (get("repetition_penalty") or 1.0) != 1.0:
+        problems.append("top_p=1, top_k=0, min_p=None and repetition_penalty=1 are required: otherwise the sampler's "
+                        "mu is a truncated or penalised distribution while the trainer scores the full softmax")
+    if get("beta", 0.0):
+        problems.append("beta must be 0: the KL-to-reference term is not part of this loss")
+    for name, neutral in (("delta", None), ("off_policy_mask_threshold", None), ("top_entropy_quantile", 1.0),
+                          ("entropy_coef", 0.0)):
+        if get(name, neutral) not in (neutral, None):
+            problems.append(f"{name}={get(name)!r} is not supported by the DPPO loss (leave it at {neutral})")
+    if get("ratio_cap") is not None and get("ratio_cap") <= 0:
+        problems.append(f"ratio_cap must be > 0 or None, got {get('ratio_cap')}")
+    return problems
+
+
+class DPPOTrainer(GRPOTrainer):
+    """GRPOTrainer with DPPO's loss; everything else (generation, rewards, advantages, scaling) is TRL's."""
+
+    def __init__(self, *args, **kwargs):
+        config = kwargs.get("args", args[2] if len(args) > 2 else None)
+        if not isinstance(config, DPPOConfig):
+            raise TypeError("DPPOTrainer needs args=DPPOConfig(...)")
+        problems = unsupported_settings(config)
+        if problems:
+            raise ValueError("DPPOTrainer cannot honour this configuration:\n  - " + "\n  - ".join(problems))
+        if not trl.__version__.startswith(TESTED_TRL):
+            warnings.warn(f"DPPOTrainer was tested with trl {', '.join(TESTED_TRL)}; this is trl {trl.__version__}: "
+                          f"check that GRPOTrainer._compute_loss still receives the same inputs")
+        super().__init__(*args, **kwargs)
+
+    def _compute_loss(self, model, inputs):
+        prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
+        completion_ids, mask = inputs["completion_ids"], inputs["completion_mask"]          # (B, T) each
+        if "tool_mask" in inputs:
+            mask = mask * inputs["tool_mask"]
+        logp, _, _ = self._get_per_token_logps_and_entropies(                                # (B, T), tempered
+            model, torch.cat([prompt_ids, completion_ids], 1), torch.cat([prompt_mask, mask], 1),
+            completion_ids.size(1))
+        if inputs.get("sampling_per_token_logps") is not None:
+            logp_mu, anchor = inputs["sampling_per_token_logps"], "rollout"                 # the engine's mu
+        elif inputs.get("old_per_token_logps") is not None:
+            logp_mu, anchor = inputs["old_per_token_logps"], "recomputed"                   # TRL's old policy
+        else:
+            logp_mu, anchor = logp.detach(), "current"                                       # on-policy
+        loss, m = dppo.dppo_loss(logp, logp_mu, inputs["advantages"], mask, divergence_type=self.args.divergence_type,
+                                 delta_low=self.args.delta_low, delta_high=self.args.delta_high,
+                                 ratio_cap=self.args.ratio_cap)                              # token mean, this batch
+        mode = "train" if self.model.training else "eval"
+        accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1
+        if self.loss_type == "dapo":  # TRL's global token count: sum over this batch / tokens of the whole step
+            normalizer = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
+            if mode == "train":
+                normalizer = normalizer * accumulation / self.args.steps_per_generation
+            loss = loss * mask.sum() / normalizer
+        else:                         # bnpo: token mean of this batch, averaged over accumulation steps
+            loss = loss / accumulation
+        m.update(anchor_is_rollout=float(anchor == "rollout"), anchor_is_recomputed=float(anchor == "recomputed"))
+        for key in ("masked_frac", "masked_frac_pos", "masked_frac_neg", "divergence", "ratio", "abs_dp_mean",
+                    "anchor_is_rollout", "anchor_is_recomputed"):
+            value = self.accelerator.gather(torch.tensor(m[key], device=logp.device))
+            self._metrics[mode][f"dppo/{key}"].append(value.mean().item())
+        return loss
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", default=None, help="Model id or directory; default: dppo.py's warm-started tiny model.")
+    p.add_argument("--output_dir", default="runs/trl_dppo")
+    p.add_argument("--max_steps", type=int, default=20)
+    p.add_argument("--divergence_type", default="binary_tv", choices=["binary_tv", "binary_kl"])
+    p.add_argument("--use_vllm", action="store_true")
+    p.add_argument("--vllm_mode", default="colocate", choices=["colocate", "server"])
+    a = p.parse_args(argv)
+    model = a.model
+    if model is None:  # the warm start of `python dppo.py`, saved as a model directory (about 40 s on a CPU)
+        warm = os.path.join(a.output_dir, "warm")
+        if not os.path.exists(os.path.join(warm, "model", "config.json")):
+            dppo.train(dppo.Config(out_dir=warm, steps=0, quiet=True))
+        model = os.path.join(warm, "model")
+    ds, reward_fn, max_new_tokens = dppo.load_task(dppo.Config(model=model))
+    config = DPPOConfig(
+        output_dir=a.output_dir, max_steps=a.max_steps, learning_rate=1e-4, per_device_train_batch_size=64,
+        num_generations=8, steps_per_generation=4,  # 4 optimiser steps per rollout batch: off-policy updates
+        max_completion_length=max_new_tokens, temperature=1.0, top_k=0, logging_steps=1, report_to="none",
+        use_cpu=not torch.cuda.is_available(), bf16=torch.cuda.is_available(), save_strategy="no", seed=0,
+        divergence_type=a.divergence_type, use_vllm=a.use_vllm, vllm_mode=a.vllm_mode, disable_tqdm=True)
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(model, padding_side="left")
+    trainer = DPPOTrainer(model=model, reward_funcs=reward_fn, args=config, train_dataset=ds["train"],
+                          processing_class=tok)
+    if trainer.accelerator.is_main_process:
+        print(f"DPPOTrainer: trl {trl.__version__}, {trainer.accelerator.num_processes} process(es), "
+              f"{config.divergence_type}, loss_type={config.loss_type}")
+    trainer.train()
+    return trainer
+
+
+if __name__ == "__main__":
+    main()
