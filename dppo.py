@@ -10,7 +10,7 @@ distribution barely moved) and under-reacts for frequent ones (0.99 -> 0.80 is r
 [0.8, 1.28], although the total variation is 0.19). DPPO keeps PPO's surrogate M_t * r_t * A_t but decides
 the mask M_t with an estimate of a real divergence (total variation or KL) between mu and pi.
 
-`python dppo.py` runs the whole thing on a 2-core CPU in about 80 seconds: a tiny Llama-style model is
+`python dppo.py` runs the whole thing on a 2-core CPU in under a minute: a tiny Llama-style model is
 warm-started on two-digit addition with a misconception (carries often dropped), then DPPO fixes it.
 `python dppo.py --help` lists every flag; `--model` / `--task gsm8k` / `--use_vllm` is the single-GPU path
 for a real model.
@@ -1203,6 +1203,7 @@ if __name__ == "__main__":
 
     (config,) = HfArgumentParser(Config).parse_args_into_dataclasses()
     try:
+        config = resolve_resume(config)  # --resume: the checkpoint's flags, checked before any work
         validate_config(config)
     except ValueError as e:
         sys.exit(f"error: {e}")

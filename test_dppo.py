@@ -5,6 +5,10 @@ import importlib.util
 import json
 import math
 import os
+import signal
+import subprocess
+import sys
+import time
 from types import SimpleNamespace
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -847,11 +851,6 @@ def test_vllm_training_run_learns(warm_model, tmp_path):
 
 # ---------------------------------------------------------------------------------------- training loop
 
-import json
-import signal
-import subprocess
-import sys
-import time
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 TIMING_KEYS = {"seconds", "sample_seconds"}
