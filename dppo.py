@@ -156,7 +156,7 @@ def validate_config(cfg: Config) -> None:
         if cfg.topk > vocab:
             errors.append(f"topk={cfg.topk} exceeds the vocabulary size {vocab}")
         budget = default_max_new_tokens(cfg, vocab)
-        prompt = 2 * cfg.digits + 2 if cfg.task == "addition" and vocab == len(CHARS) + 2 else 1
+        prompt = 2 * cfg.digits + 2 if cfg.task == "addition" and vocab == CHAR_VOCAB else 1
         if context is not None and prompt + budget > context:
             errors.append(f"max_new_tokens={budget} plus a {prompt}-token prompt exceeds the model's context of "
                           f"{context} tokens")
@@ -167,7 +167,7 @@ def validate_config(cfg: Config) -> None:
 def _peek_model(cfg: Config) -> tuple[int, Optional[int]]:
     """(vocabulary size, context length) from the model's config alone."""
     if cfg.model is None:
-        return len(CHARS) + 2, TINY_CONTEXT
+        return CHAR_VOCAB, TINY_CONTEXT
     from transformers import AutoConfig
     try:
         model_cfg = AutoConfig.from_pretrained(os.path.expanduser(cfg.model)).get_text_config()
@@ -183,7 +183,7 @@ def default_max_new_tokens(cfg: Config, vocab_size: int) -> int:
         return cfg.max_new_tokens
     if cfg.task == "gsm8k":
         return 256
-    return cfg.digits + 2 if vocab_size == len(CHARS) + 2 else 64
+    return cfg.digits + 2 if vocab_size == CHAR_VOCAB else 64
 
 
 def resolve_resume(cfg: Config) -> Config:
@@ -197,9 +197,9 @@ def resolve_resume(cfg: Config) -> Config:
         raise ValueError(f"--resume: {path} stores no configuration (written by an older dppo.py)")
     defaults, merged, errors = Config(), {"resume": True, "out_dir": cfg.out_dir}, []
     for f in dataclasses.fields(Config):
-        given, old = getattr(cfg, f.name), stored.get(f.name, getattr(defaults, f.name))
-        if f.name in merged:
+        if f.name in merged:  # resume and out_dir come from the command line
             continue
+        given, old = getattr(cfg, f.name), stored.get(f.name, getattr(defaults, f.name))
         if given == getattr(defaults, f.name) or given == old:
             merged[f.name] = old
         elif f.name in RESUME_FIXED:
@@ -242,6 +242,7 @@ def seed_everything(seed: int) -> torch.Generator:
 # ----------------------------------------------------------------------------------------------------------
 
 CHARS = "".join(chr(c) for c in range(32, 127))  # printable ASCII: V = 97 with <pad> and <eos>
+CHAR_VOCAB = len(CHARS) + 2                      # V of the embedded tokenizer: a --model with it is char-level
 TINY_CONTEXT = 32                                # the embedded model's context: prompt + completion
 
 
@@ -334,7 +335,7 @@ def load_task(cfg: Config):
     """-> (dataset dict, reward function, max_new_tokens). A real model gets the addition task as a question."""
     vocab, _ = _peek_model(cfg)
     if cfg.task == "addition":
-        ds = addition_dataset(cfg.digits, cfg.eval_size, chat=vocab != len(CHARS) + 2)
+        ds = addition_dataset(cfg.digits, cfg.eval_size, chat=vocab != CHAR_VOCAB)
     else:
         ds = gsm8k_dataset(cfg.eval_size, cfg.data)
     return ds, number_reward, default_max_new_tokens(cfg, vocab)
@@ -500,6 +501,7 @@ def sample_with_topk(model, prompt_ids, prompt_mask, *, max_new_tokens, temperat
     model.eval()  # dropout off: mu must be the distribution the trainer will score
     B, device = prompt_ids.shape[0], prompt_ids.device
     gen_device = generator.device if generator is not None else device
+    u_dtype, cdf_dtype = _cdf_dtype(gen_device), _cdf_dtype(device)  # float64 unless a device lacks it (MPS)
     eos = torch.as_tensor(eos_token_id, device=device).view(-1)  # (E,) every id that ends a completion
     attn = prompt_mask.long()                                   # (B, P)
     position = (attn.cumsum(-1) - 1).clamp_min(0)               # (B, P) left padding -> positions from 0
@@ -521,8 +523,8 @@ def sample_with_topk(model, prompt_ids, prompt_mask, *, max_new_tokens, temperat
         if greedy:
             tok = logp_full.argmax(-1)                                                # (B,)
         else:
-            u = torch.rand(B, 1, generator=generator, device=gen_device, dtype=_cdf_dtype(gen_device))
-            tok = _sample_categorical(probs, u.to(device, _cdf_dtype(device)))       # (B,)
+            u = torch.rand(B, 1, generator=generator, device=gen_device, dtype=u_dtype)  # (B, 1)
+            tok = _sample_categorical(probs, u.to(device, cdf_dtype))                 # (B,)
         tok = torch.where(finished, torch.full_like(tok, pad_token_id), tok)
         lp_tok = logp_full.gather(-1, tok[:, None]).squeeze(-1)                       # (B,)
         ids[:, t], logp_mu[:, t] = tok, lp_tok
@@ -1024,8 +1026,8 @@ def update_policy(model, opt, batch: Batch, cfg: Config, gen) -> dict:
     ro, adv = batch.rollout, batch.advantages
     topk = ro.topk_ids is not None
     model.eval()  # dropout off: log pi must be scored with the same function that sampled mu (TRL does the same)
-    autocast = torch.autocast(adv.device.type, dtype=compute_dtype(cfg, adv.device),
-                              enabled=compute_dtype(cfg, adv.device) != torch.float32)
+    dtype = compute_dtype(cfg, adv.device)
+    autocast = torch.autocast(adv.device.type, dtype=dtype, enabled=dtype != torch.float32)
 
     def score(i):  # (b, T) log pi(a_t) with gradient, (b, T, K) log pi at mu's top-K ids without
         with autocast:  # bf16 forward on a GPU; the weights and the log-prob arithmetic stay float32
