@@ -3,12 +3,11 @@ DPPO — Divergence Proximal Policy Optimization, in one file.
 
 Qi et al., "Rethinking the Trust Region in LLM Reinforcement Learning", arXiv:2602.04879.
 
-PPO/GRPO decide whether a token may still be pushed by looking at one number, the ratio
-r_t = pi(a_t) / mu(a_t) of the sampled token. That ratio is a one-sample estimate of how far the whole
-next-token distribution moved: it over-reacts for rare tokens (0.001 -> 0.003 is r = 3 although the
-distribution barely moved) and under-reacts for frequent ones (0.99 -> 0.80 is r = 0.81, inside PPO's
-[0.8, 1.28], although the total variation is 0.19). DPPO keeps PPO's surrogate M_t * r_t * A_t but decides
-the mask M_t with an estimate of a real divergence (total variation or KL) between mu and pi.
+PPO/GRPO decide whether a token may still be pushed by one number, the ratio r_t = pi(a_t) / mu(a_t) of the
+sampled token: a one-sample estimate of how far the whole next-token distribution moved. It over-reacts for rare
+tokens (0.001 -> 0.003 is r = 3 although the distribution barely moved) and under-reacts for frequent ones
+(0.99 -> 0.80 is r = 0.81, inside PPO's [0.8, 1.28], although the total variation is 0.19). DPPO keeps PPO's
+surrogate M_t * r_t * A_t but decides the mask M_t with an estimate of a real divergence (TV or KL).
 
 `python dppo.py` runs the whole thing on a 2-core CPU in under a minute: a tiny Llama-style model is
 warm-started on two-digit addition with a misconception (carries often dropped), then DPPO fixes it.
@@ -52,8 +51,7 @@ import torch
 
 
 def _f(default, help: str):
-    """A dataclass field carrying its --help text."""
-    return field(default=default, metadata={"help": help})
+    return field(default=default, metadata={"help": help})  # a dataclass field carrying its --help text
 
 
 @dataclass
@@ -124,7 +122,7 @@ _DPPO, _CLIP = ("--loss dppo", lambda c: c.loss == "dppo"), ("--loss ratio_clip"
 _EMBEDDED = ("the embedded model (no --model)", lambda c: not c.model)
 ONLY_WITH = {"delta_low": _DPPO, "delta_high": _DPPO, "ratio_cap": _DPPO, "divergence": _DPPO, "eps_low": _CLIP,
              "eps_high": _CLIP, "warm_start_steps": _EMBEDDED, "forget_carry": _EMBEDDED,
-             "topk": ("--divergence topk_tv or topk_kl", lambda c: captured_topk(c) > 0),
+             "topk": ("--divergence topk_tv or topk_kl", lambda c: _DPPO[1](c) and c.divergence.startswith("topk")),
              "digits": ("--task addition", lambda c: c.task == "addition"),
              "data": ("--task gsm8k", lambda c: c.task == "gsm8k")}
 VLLM_MAX_LOGPROBS, VLLM_MAX_LEN = 20, 4096  # vLLM's default cap on log-probs a position; the engine length used
@@ -149,14 +147,13 @@ def validate_config(cfg: Config) -> None:
             os.path.join(os.path.expanduser(cfg.data), f"{split}.jsonl"), cfg.eval_size if split == "test" else 1)]
     held_out = 10 ** (2 * cfg.digits) // 2 if _in_range(cfg.digits, RANGES["digits"]) else math.inf  # half the task
     if cfg.task == "addition" and cfg.eval_size > held_out:
-        errors.append(f"eval_size {cfg.eval_size} exceeds the {held_out} held-out problems of "
-                      f"{cfg.digits}-digit addition")
+        errors.append(f"eval_size {cfg.eval_size} exceeds the {held_out} held-out problems of {cfg.digits}-digit sums")
     if cfg.model and cfg.model.startswith((".", "/", "~")) and not os.path.isdir(os.path.expanduser(cfg.model)):
         errors.append(f"--model {cfg.model}: no such directory")
-    parent = cfg.out_dir  # the directory itself, or the nearest ancestor that exists, must take new files
-    while parent and not os.path.exists(parent):
+    parent = os.path.abspath(cfg.out_dir)  # the directory, or its nearest ancestor that exists, must take new files
+    while not os.path.exists(parent):
         parent = os.path.dirname(parent)
-    if not os.path.isdir(parent or ".") or not os.access(parent or ".", os.W_OK | os.X_OK):
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
         errors.append(f"--out_dir {cfg.out_dir}: {parent} is not a directory that can be written to")
     try:
         torch.empty(0, device=pick_device(cfg.device))
@@ -215,9 +212,10 @@ def default_max_new_tokens(cfg: Config, vocab_size: int) -> int:
     return cfg.max_new_tokens or (256 if cfg.task == "gsm8k" else cfg.digits + 2 if vocab_size == CHAR_VOCAB else 64)
 
 
-def resolve_resume(cfg: Config) -> Config:
-    """--resume: flags left at their default take the checkpoint's stored value; another model or batch shape, or
-    a checkpoint or log that dppo.py did not write whole, is refused. Reads only: a refusal changes no file."""
+def resolve_resume(cfg: Config, given: Optional[set] = None) -> Config:
+    """--resume: flags not given (`given`: the names typed on the command line; None: those differing from their
+    default) take the checkpoint's stored value; another model or batch shape, or a checkpoint or log that dppo.py
+    did not write whole, is refused. Reads only: a refusal changes no file."""
     if not cfg.resume:
         return cfg
     path, log = os.path.join(cfg.out_dir, "checkpoint.pt"), os.path.join(cfg.out_dir, "metrics.jsonl")
@@ -230,17 +228,16 @@ def resolve_resume(cfg: Config) -> Config:
         raise ConfigError(f"--resume: {path} and {log} are missing or not a whole dppo.py checkpoint and log "
                           f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'unreadable'})") from None
     defaults, merged, errors = Config(), {"resume": True, "out_dir": cfg.out_dir}, []
-    for f in dataclasses.fields(Config):
-        if f.name in merged:  # resume and out_dir come from the command line
-            continue
-        given, old = getattr(cfg, f.name), stored.get(f.name, getattr(defaults, f.name))
-        if given == getattr(defaults, f.name) or given == old:
+    for f in (f for f in dataclasses.fields(Config) if f.name not in merged):  # resume, out_dir: as typed
+        value, old = getattr(cfg, f.name), stored.get(f.name, getattr(defaults, f.name))
+        typed = f.name in given if given is not None else value != getattr(defaults, f.name)
+        if not typed or value == old:
             merged[f.name] = old
         elif f.name in RESUME_FIXED:
-            errors.append(f"--{f.name} {given} differs from the checkpoint's {old}")
+            errors.append(f"--{f.name} {value} differs from the checkpoint's {old}")
         else:
-            merged[f.name] = given
-            print(f"resume: --{f.name} changed from {old} to {given}")
+            merged[f.name] = value
+            print(f"resume: --{f.name} changed from {old} to {value}")
     if errors:
         raise ConfigError("cannot resume:\n  - " + "\n  - ".join(errors))
     return Config(**merged)
@@ -356,10 +353,8 @@ def gsm8k_dataset(eval_size: int, data_dir: Optional[str] = None):
 def load_task(cfg: Config):
     """-> (dataset dict, reward function, max_new_tokens). A real model gets the addition task as a question."""
     vocab = _peek_model(cfg)[0]
-    if cfg.task == "addition":
-        ds = addition_dataset(cfg.digits, cfg.eval_size, chat=vocab != CHAR_VOCAB)
-    else:
-        ds = gsm8k_dataset(cfg.eval_size, cfg.data)
+    ds = addition_dataset(cfg.digits, cfg.eval_size, chat=vocab != CHAR_VOCAB) if cfg.task == "addition" else \
+        gsm8k_dataset(cfg.eval_size, cfg.data)
     return ds, number_reward, default_max_new_tokens(cfg, vocab)
 
 
@@ -637,9 +632,8 @@ def vllm_logprobs_to_tensors(position_logprobs, sampled_ids, k):
         if k and tok not in ranked:
             ranked[-1] = tok                                          # a_t overwrites slot K, as at sampling
         logp.append(entries[tok].logprob), ids.append(ranked), vals.append([entries[i].logprob for i in ranked])
-    if k == 0:
-        return torch.tensor(logp), None, None
-    return torch.tensor(logp), torch.tensor(ids, dtype=torch.long).view(-1, k), torch.tensor(vals).view(-1, k)
+    topk = (torch.tensor(ids, dtype=torch.long).view(-1, k), torch.tensor(vals).view(-1, k)) if k else (None, None)
+    return torch.tensor(logp), *topk
 
 
 class VLLMSampler:
@@ -929,11 +923,10 @@ def evaluate(model, tok, ds, reward_fn, max_new_tokens, eos_ids, batch_size=500)
 
 def _answer_ids(tok, answers: list[str], device) -> tuple[torch.Tensor, torch.Tensor]:
     """Right-padded (B, T) ids of answer + EOS and their mask, for the supervised warm start."""
-    seqs = [ids + [tok.eos_token_id] for ids in tok(answers, add_special_tokens=False).input_ids]
-    T = max(len(s) for s in seqs)
-    ids = torch.tensor([s + [tok.pad_token_id] * (T - len(s)) for s in seqs], device=device)      # (B, T)
-    mask = torch.tensor([[1.0] * len(s) + [0.0] * (T - len(s)) for s in seqs], device=device)      # (B, T)
-    return ids, mask
+    seqs = [torch.tensor(ids + [tok.eos_token_id]) for ids in tok(answers, add_special_tokens=False).input_ids]
+    ids = torch.nn.utils.rnn.pad_sequence(seqs, batch_first=True, padding_value=tok.pad_token_id)   # (B, T)
+    mask = torch.arange(ids.shape[1]) < torch.tensor([len(s) for s in seqs])[:, None]                 # (B, T)
+    return ids.to(device), mask.float().to(device)
 
 
 def warm_start(model, tok, ds, cfg: Config, gen, batch_size=128) -> int:
@@ -960,17 +953,20 @@ def _merge_metrics(parts: list[dict]) -> dict:
         w = sum(p[weight] for p in parts)
         return sum(p[key] * p[weight] for p in parts) / w if w else 0.0
     weights = {"masked_frac": "tokens", "abs_dp_mean": "tokens", "divergence": "tokens", "ratio": "tokens",
-               "masked_frac_pos": "tokens_pos", "masked_frac_neg": "tokens_neg", "masked_low_mu": "tokens_masked"}
-    out = {k: wavg(k, w) for k, w in weights.items()} | {"abs_dp_max": max(p["abs_dp_max"] for p in parts)}
-    # the first mini-batch is scored before this batch's first update: pi = the weights mu was sampled with, so
-    # |pi - mu| there is the sampler-trainer mismatch alone (bf16 rollouts, another engine's kernels)
+               "masked_frac_pos": "tokens_pos", "masked_frac_neg": "tokens_neg", "masked_low_mu": "tokens_masked",
+               "anchor_abs_dp_mean": "tokens"}
+    out = {k: wavg(k, w) for k, w in weights.items() if k in parts[0]}
+    out["abs_dp_max"] = max(p["abs_dp_max"] for p in parts)
+    # mini-batch 1 is scored before any update (pi = mu's weights): |pi - mu| there is the sampler-trainer mismatch
     out["mismatch_dp_mean"], out["mismatch_dp_max"] = parts[0]["abs_dp_mean"], parts[0]["abs_dp_max"]
     return out
 
 
+MU_METRICS = ("abs_dp_mean", "abs_dp_max", "divergence", "ratio")  # always against mu, whatever the anchor
+
+
 @dataclass
-class Batch:
-    """One rollout batch with everything the M updates need."""
+class Batch:  # one rollout batch, with everything the M updates need
     prompt_ids: torch.Tensor    # (B, P) left-padded
     prompt_mask: torch.Tensor   # (B, P)
     rollout: Rollout            # what mu sampled and what it was
@@ -1022,25 +1018,30 @@ def update_policy(model, opt, batch: Batch, cfg: Config, gen) -> dict:
                                    ro.completion_mask[i], temperature=cfg.temperature,
                                    topk_ids=ro.topk_ids[i] if topk else None)
 
-    extra = {}
+    def loss_against(anchor, idx, logp, topk_logp):  # (loss, metrics) with w and D measured from anchor's log-probs
+        if cfg.loss == "dppo":
+            return dppo_loss(logp, anchor.logp_mu[idx], adv[idx], anchor.completion_mask[idx],
+                             divergence_type=cfg.divergence, delta_low=cfg.delta_low, delta_high=cfg.delta_high,
+                             topk_logp=topk_logp, topk_logp_mu=anchor.topk_logp_mu[idx] if topk else None,
+                             ratio_cap=cfg.ratio_cap)
+        return ratio_clip_loss(logp, anchor.logp_mu[idx], adv[idx], anchor.completion_mask[idx],
+                               eps_low=cfg.eps_low, eps_high=cfg.eps_high)
+
+    extra, anchor = {}, ro
     if cfg.anchor == "recomputed":  # baseline: an "old policy" scored by the trainer replaces mu (the paper warns)
         with torch.no_grad():
             scored = [score(i) for i in torch.arange(len(adv), device=adv.device).chunk(cfg.num_minibatches)]
         old = torch.cat([lp for lp, _ in scored])                                       # (B, T)
         extra["anchor_dp_mean"] = float(_masked_mean((old.exp() - ro.logp_mu.exp()).abs(), ro.completion_mask))
-        ro = dataclasses.replace(ro, logp_mu=old, topk_logp_mu=torch.cat([t for _, t in scored]) if topk else None)
+        anchor = dataclasses.replace(ro, logp_mu=old, topk_logp_mu=torch.cat([t for _, t in scored]) if topk else None)
     parts = []
     for idx in torch.randperm(len(adv), generator=gen).chunk(cfg.num_minibatches):      # M mini-batches
         idx = idx.to(adv.device)
         logp, topk_logp = score(idx)                                                    # (b, T), (b, T, K)
-        if cfg.loss == "dppo":
-            loss, m = dppo_loss(logp, ro.logp_mu[idx], adv[idx], ro.completion_mask[idx],
-                                divergence_type=cfg.divergence, delta_low=cfg.delta_low, delta_high=cfg.delta_high,
-                                topk_logp=topk_logp, topk_logp_mu=ro.topk_logp_mu[idx] if topk else None,
-                                ratio_cap=cfg.ratio_cap)
-        else:
-            loss, m = ratio_clip_loss(logp, ro.logp_mu[idx], adv[idx], ro.completion_mask[idx],
-                                      eps_low=cfg.eps_low, eps_high=cfg.eps_high)
+        loss, m = loss_against(anchor, idx, logp, topk_logp)
+        if anchor is not ro:  # the loss used pi_old; |pi - mu|, D and the ratio are still reported against mu
+            mu_m = loss_against(ro, idx, logp.detach(), topk_logp)[1]
+            m |= {"anchor_abs_dp_mean": m["abs_dp_mean"]} | {k: mu_m[k] for k in MU_METRICS}
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
@@ -1092,10 +1093,10 @@ def plot_metrics(jsonl_path: str, png_path: str) -> None:
     fig.savefig(png_path, dpi=110)
 
 
-def train(cfg: Config) -> dict:
-    """Run DPPO (or the ratio-clip baseline) end to end; returns a summary with the start and end accuracy.
-    Whatever can be refused is refused before any work (ConfigError); a step that fails leaves a checkpoint."""
-    cfg = resolve_resume(cfg)
+def train(cfg: Config, given: Optional[set] = None) -> dict:
+    """DPPO (or the baseline) end to end -> start and end accuracy. Bad input is refused before any work
+    (ConfigError); a failed step leaves a checkpoint. `given`: the flags typed, for --resume (resolve_resume)."""
+    cfg = resolve_resume(cfg, given)
     validate_config(cfg)
     device = pick_device(cfg.device)
     gen = seed_everything(cfg.seed)
@@ -1112,7 +1113,7 @@ def train(cfg: Config) -> dict:
     start = saved = None
     if cfg.resume:
         try:
-            state = torch.load(ckpt_path, weights_only=True)
+            state = torch.load(ckpt_path, map_location="cpu", weights_only=True)  # not onto the GPU beside the model
             model.load_state_dict(state["model"])
             opt.load_state_dict(state["optim"])
         except Exception as e:  # cut short after its header, or weights of another shape
@@ -1126,7 +1127,8 @@ def train(cfg: Config) -> dict:
         acc0, acc = kept[0]["acc"], [r["acc"] for r in kept if "acc" in r][-1]
         print(f"resumed from step {start} ({ckpt_path})")
 
-    if cfg.use_vllm:  # started before the warm start: an engine that fails to start wastes no warm-up
+    sampler = model  # or an engine that stands for it: started before the warm start, so a failing one wastes none
+    if cfg.use_vllm:
         engine_dir = cfg.model or os.path.join(cfg.out_dir, "model")
         if cfg.model is None:  # the engine loads a directory; the trained weights are pushed before each rollout
             model.save_pretrained(engine_dir)
@@ -1135,8 +1137,6 @@ def train(cfg: Config) -> dict:
                               max_model_len=min(_context_length(model.config) or VLLM_MAX_LEN, VLLM_MAX_LEN))
     elif cfg.rollout_dtype == "bfloat16" and next(model.parameters()).dtype != torch.bfloat16:
         sampler = copy.deepcopy(model).to(torch.bfloat16)  # inference engine in bf16, trainer in float32
-    else:
-        sampler = model
 
     if not cfg.resume:
         ws_steps = warm_start(model, tok, ds, cfg, gen) if cfg.model is None else 0
@@ -1205,8 +1205,8 @@ def train(cfg: Config) -> dict:
 if __name__ == "__main__":
     from transformers import HfArgumentParser
 
-    (config,) = HfArgumentParser(Config).parse_args_into_dataclasses()
+    (config,) = HfArgumentParser(Config, allow_abbrev=False).parse_args_into_dataclasses()  # flags as typed
     try:
-        train(config)
+        train(config, given={a[2:].split("=")[0] for a in sys.argv[1:] if a.startswith("--")})
     except ConfigError as e:  # refused before any work: the reason alone, no traceback
         sys.exit(f"error: {e}")

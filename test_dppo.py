@@ -993,6 +993,27 @@ def test_resume_restores_the_stored_config_and_refuses_another_shape(warm_model,
     assert again["acc_end"] == s["acc_end"] == read_metrics(tmp_path)[-1]["acc"] != s["acc_start"]
 
 
+def test_resume_and_checkpoint_defects(warm_model, tmp_path, monkeypatch):
+    """A flag typed at its default value counts as given on --resume (the command line is read, not compared with
+    the defaults); the CLI resolves --resume once; the checkpoint loads onto the CPU (map_location), not the GPU
+    beside the live model; and it is written once per save point, not again at the end."""
+    real_save, saves = dppo.save_checkpoint, []
+    monkeypatch.setattr(dppo, "save_checkpoint", lambda *a, **k: saves.append(a[1]) or real_save(*a, **k))
+    dppo.train(small_cfg(warm_model, tmp_path, steps=2, save_every=2, lr=3e-4, quiet=True))
+    assert saves == [2]
+    base = dict(out_dir=str(tmp_path), resume=True, steps=3)
+    assert dppo.resolve_resume(dppo.Config(**base, lr=1e-4), given={"out_dir", "resume", "steps", "lr"}).lr == 1e-4
+    assert dppo.resolve_resume(dppo.Config(**base), given={"out_dir", "resume", "steps"}).lr == 3e-4
+    real_load, loads = torch.load, []
+    monkeypatch.setattr(torch, "load", lambda *a, **k: loads.append(k) or real_load(*a, **k))
+    dppo.train(small_cfg(warm_model, tmp_path, steps=3, save_every=2, lr=3e-4, resume=True, quiet=True))
+    assert [k.get("map_location") for k in loads if not k.get("mmap")] == ["cpu"]  # the full load, not the peek
+    out = subprocess.run([sys.executable, "dppo.py", "--out_dir", str(tmp_path), "--resume", "--steps", "4",
+                          "--lr", "1e-4", "--quiet"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert out.count("resume: --lr changed from 0.0003 to 0.0001") == 1
+    assert torch.load(tmp_path / "checkpoint.pt", weights_only=True)["config"]["lr"] == 1e-4
+
+
 def test_pg_is_never_masks_where_dppo_does(warm_model, tmp_path):
     """PG-IS (delta = inf) masks nothing; on the same off-policy run DPPO (delta 0.15) masks something."""
     kw = dict(steps=2, lr=2e-3, num_minibatches=8, eval_every=100, quiet=True)
@@ -1004,13 +1025,18 @@ def test_pg_is_never_masks_where_dppo_does(warm_model, tmp_path):
 
 @pytest.mark.parametrize("rollout_dtype", ["float32", "bfloat16"])
 def test_recomputed_anchor_differs_from_mu_exactly_under_mismatch(warm_model, tmp_path, rollout_dtype):
-    """The recomputed 'old policy' equals mu (float32 rollouts) or differs (bf16 rollouts); anchored to it, the
-    first mini-batch sees no mismatch, so a recomputed anchor hides the sampler-trainer gap from the trust region."""
+    """The recomputed 'old policy' equals mu (float32 rollouts) or differs (bf16 rollouts); the loss is anchored to
+    it, but |pi - mu| and the mismatch metrics are still measured against mu (its own gap: anchor_dp_mean)."""
     kw = dict(steps=1, eval_every=100, quiet=True, rollout_dtype=rollout_dtype)
     dppo.train(small_cfg(warm_model, tmp_path / "old", anchor="recomputed", **kw))
     dppo.train(small_cfg(warm_model, tmp_path / "mu", **kw))
     old, mu = read_metrics(tmp_path / "old")[1], read_metrics(tmp_path / "mu")[1]
-    assert old["mismatch_dp_max"] < F32_DP
+    # |pi - mu| and its first-mini-batch (mismatch) value stay about mu whatever the anchor: the same numbers
+    assert old["mismatch_dp_mean"] == mu["mismatch_dp_mean"] and old["mismatch_dp_max"] == mu["mismatch_dp_max"]
+    if rollout_dtype == "float32":  # pi_old = mu up to float32 rounding: |pi - pi_old| ~ |pi - mu|
+        assert old["anchor_abs_dp_mean"] == pytest.approx(old["abs_dp_mean"], rel=1e-3)
+    else:                           # pi_old != mu: the loss's own |pi - pi_old| is reported apart from |pi - mu|
+        assert old["anchor_abs_dp_mean"] != pytest.approx(old["abs_dp_mean"], rel=1e-3)
     if rollout_dtype == "float32":
         assert old["anchor_dp_mean"] < F32_DP and mu["mismatch_dp_max"] < F32_DP
     else:
