@@ -939,8 +939,7 @@ def warm_start(model, tok, ds, cfg: Config, gen, batch_size=128) -> int:
         targets = [w if f else a for a, w, f in zip(rows["answer"], rows["forgot_carry"], forget.tolist())]
         p_ids, p_mask = encode_prompts(tok, rows["prompt"], model.device)
         c_ids, c_mask = _answer_ids(tok, targets, model.device)
-        logp, _ = policy_logprobs(model, p_ids, p_mask, c_ids, c_mask)
-        loss = -_masked_mean(logp, c_mask)  # cross-entropy on the answer tokens
+        loss = -_masked_mean(policy_logprobs(model, p_ids, p_mask, c_ids, c_mask)[0], c_mask)  # cross-entropy
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -960,9 +959,6 @@ def _merge_metrics(parts: list[dict]) -> dict:
     # mini-batch 1 is scored before any update (pi = mu's weights): |pi - mu| there is the sampler-trainer mismatch
     out["mismatch_dp_mean"], out["mismatch_dp_max"] = parts[0]["abs_dp_mean"], parts[0]["abs_dp_max"]
     return out
-
-
-MU_METRICS = ("abs_dp_mean", "abs_dp_max", "divergence", "ratio")  # always against mu, whatever the anchor
 
 
 @dataclass
@@ -1041,7 +1037,8 @@ def update_policy(model, opt, batch: Batch, cfg: Config, gen) -> dict:
         loss, m = loss_against(anchor, idx, logp, topk_logp)
         if anchor is not ro:  # the loss used pi_old; |pi - mu|, D and the ratio are still reported against mu
             mu_m = loss_against(ro, idx, logp.detach(), topk_logp)[1]
-            m |= {"anchor_abs_dp_mean": m["abs_dp_mean"]} | {k: mu_m[k] for k in MU_METRICS}
+            m |= {"anchor_abs_dp_mean": m["abs_dp_mean"]} | {k: mu_m[k] for k in ("abs_dp_mean", "abs_dp_max",
+                                                                                "divergence", "ratio")}
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
@@ -1205,7 +1202,10 @@ def train(cfg: Config, given: Optional[set] = None) -> dict:
 if __name__ == "__main__":
     from transformers import HfArgumentParser
 
-    (config,) = HfArgumentParser(Config, allow_abbrev=False).parse_args_into_dataclasses()  # flags as typed
+    parser = HfArgumentParser(Config, allow_abbrev=False)  # exact names: --resume needs to know what was typed
+    config, unknown = parser.parse_args_into_dataclasses(return_remaining_strings=True)
+    if unknown:
+        sys.exit(f"error: unknown arguments {unknown} (python dppo.py --help lists the flags)")
     try:
         train(config, given={a[2:].split("=")[0] for a in sys.argv[1:] if a.startswith("--")})
     except ConfigError as e:  # refused before any work: the reason alone, no traceback

@@ -1213,7 +1213,8 @@ def test_cli_help_and_bad_flags(tmp_path):
     (tmp_path / "metrics.jsonl").write_text('{"step": 0, "acc": 0.5}\n')
     for args, expected in [(["--delta_high", "-1", "--group_size", "1", "--temperature", "nan"],
                             ["delta_high must be in", "group_size must be in", "temperature must be in"]),
-                           (["--resume", "--out_dir", str(tmp_path)], ["--resume:", "not a whole dppo.py checkpoint"])]:
+                           (["--resume", "--out_dir", str(tmp_path)], ["--resume:", "not a whole dppo.py checkpoint"]),
+                           (["--prompts", "8"], ["unknown arguments ['--prompts', '8']"])]:  # no abbreviations
         bad = subprocess.run([sys.executable, "dppo.py", *args], cwd=ROOT, capture_output=True, text=True)
         assert bad.returncode != 0 and all(e in bad.stderr for e in expected), bad.stderr
         assert bad.stderr.startswith("error: ") and "Traceback" not in bad.stderr and not bad.stdout
