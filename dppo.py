@@ -227,10 +227,10 @@ def resolve_resume(cfg: Config, given: Optional[set] = None) -> Config:
     except Exception as e:  # missing, damaged (cut short, overwritten) or written by something else
         raise ConfigError(f"--resume: {path} and {log} are missing or not a whole dppo.py checkpoint and log "
                           f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'unreadable'})") from None
-    defaults, merged, errors = Config(), {"resume": True, "out_dir": cfg.out_dir}, []
+    merged, errors = {"resume": True, "out_dir": cfg.out_dir}, []
     for f in (f for f in dataclasses.fields(Config) if f.name not in merged):  # resume, out_dir: as typed
-        value, old = getattr(cfg, f.name), stored.get(f.name, getattr(defaults, f.name))
-        typed = f.name in given if given is not None else value != getattr(defaults, f.name)
+        value, old = getattr(cfg, f.name), stored.get(f.name, getattr(Config, f.name))  # class attribute: default
+        typed = f.name in given if given is not None else value != getattr(Config, f.name)
         if not typed or value == old:
             merged[f.name] = old
         elif f.name in RESUME_FIXED:
