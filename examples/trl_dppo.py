@@ -139,12 +139,8 @@ def main(argv=None):
     p.add_argument("--use_vllm", action="store_true")
     p.add_argument("--vllm_mode", default="colocate", choices=["colocate", "server"])
     a = p.parse_args(argv)
-    model = a.model
-    if model is None:  # the warm start of `python dppo.py`, saved as a model directory (about 40 s on a CPU)
-        warm = os.path.join(a.output_dir, "warm")
-        if not os.path.exists(os.path.join(warm, "model", "config.json")):
-            dppo.train(dppo.Config(out_dir=warm, steps=0, quiet=True))
-        model = os.path.join(warm, "model")
+    # default: the warm start of `python dppo.py`, saved as a model directory (about 40 s on a CPU)
+    model = a.model or dppo.warm_start_dir(os.path.join(a.output_dir, "warm"))
     ds, reward_fn, max_new_tokens = dppo.load_task(dppo.Config(model=model))
     config = DPPOConfig(
         output_dir=a.output_dir, max_steps=a.max_steps, learning_rate=1e-4, per_device_train_batch_size=64,

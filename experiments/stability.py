@@ -56,9 +56,7 @@ COLLAPSE_DROP = 0.30
 def run_grid(out: str, grid: dict) -> list[dict]:
     """Every run of the grid (skipping those already finished); returns one summary per run."""
     runs_dir = os.path.join(out, "runs")
-    warm = os.path.join(runs_dir, "warm")
-    if not os.path.exists(os.path.join(warm, "model", "config.json")):
-        dppo.train(dppo.Config(out_dir=warm, steps=0, warm_start_steps=grid["warm_start_steps"], quiet=True))
+    warm = dppo.warm_start_dir(os.path.join(runs_dir, "warm"), warm_start_steps=grid["warm_start_steps"])
     jobs = [(v, mm, lr, seed) for lr in grid["lrs"] for mm in MISMATCH for v in VARIANTS for seed in grid["seeds"]]
     summaries = []
     for i, (variant, mm, lr, seed) in enumerate(jobs, 1):
@@ -67,7 +65,7 @@ def run_grid(out: str, grid: dict) -> list[dict]:
         done = os.path.join(run_dir, "summary.json")
         if not os.path.exists(done):
             t0 = time.time()
-            cfg = dppo.Config(model=os.path.join(warm, "model"), out_dir=run_dir, seed=seed, lr=lr, quiet=True,
+            cfg = dppo.Config(model=warm, out_dir=run_dir, seed=seed, lr=lr, quiet=True,
                               rollout_dtype=MISMATCH[mm], steps=grid["steps"], eval_every=grid["eval_every"],
                               save_every=grid["steps"], prompts_per_step=grid["prompts_per_step"],
                               group_size=grid["group_size"], num_minibatches=grid["num_minibatches"],
