@@ -1356,6 +1356,14 @@ def test_vllm_refused_before_work_when_missing_or_beyond_the_engine(monkeypatch,
     with pytest.raises(dppo.ConfigError, match="head size >= 32, the model has 8"):
         dppo.validate_config(dppo.Config(out_dir=str(tmp_path), use_vllm=True, model=str(tmp_path / "m"), device="cpu",
                                          max_new_tokens=8))
+    # the engine's length: no silent cap, refused beyond the model's context, and prompt + budget must fit in it
+    with pytest.raises(dppo.ConfigError, match="--vllm_max_len 100 exceeds the model's context of 32"):
+        dppo.validate_config(dppo.Config(out_dir=str(tmp_path), use_vllm=True, vllm_max_len=100))
+    with pytest.raises(dppo.ConfigError, match="longest prompt's 6 tokens exceeds the engine's length of 8"):
+        dppo.validate_config(dppo.Config(out_dir=str(tmp_path), use_vllm=True, vllm_max_len=8))
+    dppo.validate_config(dppo.Config(out_dir=str(tmp_path), use_vllm=True, vllm_max_len=10))  # 6 + 4 tokens fit
+    with pytest.raises(dppo.ConfigError, match="--vllm_max_len is for --use_vllm only"):
+        dppo.validate_config(dppo.Config(out_dir=str(tmp_path), vllm_max_len=10))
 
 
 GOOD_GSM8K = "".join(json.dumps({"question": f"q{i}", "answer": f"{i} + 0\n#### {i}"}) + "\n" for i in range(3))
