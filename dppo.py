@@ -208,13 +208,13 @@ def _peek_model(cfg: Config) -> tuple[int, Optional[int], int]:
 
 
 def with_model_defaults(cfg: Config) -> Config:
-    """The flags left at None (or auto) set for the model: the character-level model gets what the toy task needs
-    (the answer and EOS); a pretrained one room for prose and an lr that does not wreck it (TRL's GRPO default)."""
-    char, engine_bf16 = _peek_model(cfg)[0] == CHAR_VOCAB, cfg.use_vllm and pick_device(cfg.device).type == "cuda"
-    return dataclasses.replace(cfg, lr=cfg.lr or (1e-4 if char else 1e-6), eval_batch_size=cfg.eval_batch_size or (
-        cfg.eval_size if char else 64), rollout_dtype=("bfloat16" if engine_bf16 else "float32") if cfg.rollout_dtype
-        == "auto" else cfg.rollout_dtype, max_new_tokens=cfg.max_new_tokens or (
-        256 if cfg.task == "gsm8k" else cfg.digits + 2 if char else 64))
+    """Flags left at None or auto, set for the model: the toy task's (character-level), else TRL's GRPO lr 1e-6."""
+    char, cuda_engine = _peek_model(cfg)[0] == CHAR_VOCAB, cfg.use_vllm and pick_device(cfg.device).type == "cuda"
+    rollout_dtype = ("bfloat16" if cuda_engine else "float32") if cfg.rollout_dtype == "auto" else cfg.rollout_dtype
+    budget = cfg.max_new_tokens or (256 if cfg.task == "gsm8k" else cfg.digits + 2 if char else 64)  # answer + EOS
+    batch = cfg.eval_batch_size or (cfg.eval_size if char else 64)
+    return dataclasses.replace(cfg, lr=cfg.lr or (1e-4 if char else 1e-6), rollout_dtype=rollout_dtype,
+                               max_new_tokens=budget, eval_batch_size=batch)
 
 
 def resolve_resume(cfg: Config, given: Optional[set] = None) -> Config:
