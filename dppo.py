@@ -317,7 +317,7 @@ def _last_number(text: str) -> Optional[str]:
 
 def number_reward(prompts, completions, answer, **kwargs) -> list[float]:
     """1.0 when the completion's last number equals the reference's (after any '####'; '052' = '52'), else 0.0."""
-    value = lambda text: math.nan if _last_number(text) is None else float(_last_number(text))  # noqa: E731
+    value = lambda text: math.nan if (n := _last_number(text)) is None else float(n)  # noqa: E731  NaN matches none
     return [float(abs(value(c) - value(a)) < 1e-6) for c, a in zip(completions, answer)]
 
 
