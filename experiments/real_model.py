@@ -47,7 +47,8 @@ FULL = dict(steps=20, eval_every=5, save_every=5, prompts_per_step=8, group_size
             max_new_tokens=48, lr=1e-5, eval_size=200)
 QUICK = dict(steps=2, eval_every=2, save_every=2, prompts_per_step=2, group_size=2, num_minibatches=2,
              max_new_tokens=8, lr=1e-5, eval_size=4)
-NAMES = {"dppo_tv": ("DPPO, binary TV (δ 0.15)", "tab:blue"), "ratio_clip": ("ratio clip (ε 0.2 / 0.28)", "tab:orange"),
+NAMES = {"dppo_tv": ("DPPO, binary TV (δ 0.15)", "tab:blue"),
+         "ratio_clip": ("ratio clip (ε 0.2 / 0.28)", "tab:orange"),
          "dppo_tv_bf16": ("DPPO, binary TV, bf16 sampler", "tab:green")}
 SHOWN = 6  # held-out prompts whose completions are shown before and after
 
@@ -121,8 +122,8 @@ def _steps(s: dict) -> list[dict]:
 def tables(base: dict, summaries: list[dict]) -> str:
     """Markdown: one row per run; the format analysis; the same held-out prompts before and after."""
     mean = lambda xs: sum(xs) / max(1, len(xs))  # noqa: E731
-    lines = ["| run | held-out acc, start → end (best) | s / step (no eval) | sampling share | "
-             "first-mini-batch \\|π−μ\\| mean / max | masked share | entropy, step 1 → last | length, step 1 → last |",
+    lines = ["| run | held-out acc, start → end (best) | s / step (no eval) | sampling share | first-mini-batch "
+             "\\|π−μ\\| mean / max | masked share | entropy, step 1 → last | length, step 1 → last |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for s in summaries:
         acc, st = [r["acc"] for r in s["rows"] if "acc" in r], _steps(s)
