@@ -1352,7 +1352,7 @@ def test_offpolicy_summary_hand_computed():
     assert fell["masked"] == pytest.approx(0.1) and fell["mismatch"] == pytest.approx(1e-3)
 
 
-def test_offpolicy_study_quick_mode_runs_and_refuses_the_grid_without_its_lrs(tmp_path):
+def test_offpolicy_study_quick_mode_runs_and_refuses_the_grid_without_its_lrs(tmp_path, monkeypatch):
     """experiments/offpolicy.py --quick: lagged runs from two warm starts, tables for (a), (b), (c) and three
     figures written; the full grid refuses to run while the pilot has not fixed its learning rates."""
     sys.path.insert(0, os.path.join(ROOT, "experiments"))
@@ -1365,9 +1365,10 @@ def test_offpolicy_study_quick_mode_runs_and_refuses_the_grid_without_its_lrs(tm
     assert "(a)" in table and "(c)" in table and "| dppo_tv | " in table and "| ratio_clip | " in table
     for name in ("depth", "masks", "anchor"):
         assert (tmp_path / f"offpolicy_{name}.png").stat().st_size > 10_000
-    if offpolicy.LRS is None:
-        with pytest.raises(SystemExit, match="LRS is not set"):
-            offpolicy.main(["--out", str(tmp_path)])
+    assert len(offpolicy.LRS) == 2  # fixed by the pilot before the grid runs
+    monkeypatch.setattr(offpolicy, "LRS", None)
+    with pytest.raises(SystemExit, match="LRS is not set"):
+        offpolicy.main(["--out", str(tmp_path)])
 
 
 def test_stability_study_quick_mode_runs_every_variant(tmp_path):
