@@ -114,6 +114,16 @@ def _cells(summaries, **match):
     return [s for s in summaries if all(s[k] == v for k, v in match.items())]
 
 
+def _pooled_per_seed(summaries, variant, key, tokens) -> list:
+    """Per seed: `key` pooled over every run of the variant, weighted by its `tokens` counts (None: no tokens)."""
+    out = []
+    for seed in sorted({s["seed"] for s in summaries}):
+        ss = _cells(summaries, variant=variant, seed=seed)
+        n = sum(s[tokens] for s in ss)
+        out.append(sum((s[key] or 0) * s[tokens] for s in ss) / n if n else None)
+    return out
+
+
 def _spread(xs) -> str:
     xs = [x for x in xs if x is not None]
     return f"{sum(xs) / len(xs):.3f} ({min(xs):.2f}–{max(xs):.2f})" if xs else "–"
@@ -139,17 +149,11 @@ def tables(summaries: list[dict]) -> str:
               "| run's loss | its own mask: μ < 0.15 | its own: \\|Δp\\| | the other rule's: μ < 0.15 | "
               "the other's: \\|Δp\\| | masked tokens own / other |", "| --- | --- | --- | --- | --- | --- |"]
     for v in VARIANTS:
-        per_seed = []
-        for seed in sorted({s["seed"] for s in summaries}):
-            ss = _cells(summaries, variant=v, seed=seed)
-            n, nr = sum(s["tokens_masked"] for s in ss), sum(s["tokens_rival"] for s in ss)
-            w = lambda k, t, tot: sum((s[k] or 0) * s[t] for s in ss) / tot if tot else None  # noqa: E731
-            per_seed.append((w("low_mu", "tokens_masked", n), w("masked_dp", "tokens_masked", n),
-                             w("rival_low_mu", "tokens_rival", nr), w("rival_dp", "tokens_rival", nr), n, nr))
-        if per_seed and any(p[4] or p[5] for p in per_seed):
-            cols = list(zip(*per_seed))
-            lines.append(f"| {v} | " + " | ".join(_spread(c) for c in cols[:4]) +
-                         f" | {sum(cols[4]):.0f} / {sum(cols[5]):.0f} |")
+        n, nr = (sum(s[t] for s in _cells(summaries, variant=v)) for t in ("tokens_masked", "tokens_rival"))
+        if n or nr:
+            cols = [_pooled_per_seed(summaries, v, k, t) for k, t in [("low_mu", "tokens_masked"),
+                    ("masked_dp", "tokens_masked"), ("rival_low_mu", "tokens_rival"), ("rival_dp", "tokens_rival")]]
+            lines.append(f"| {v} | " + " | ".join(_spread(c) for c in cols) + f" | {n:.0f} / {nr:.0f} |")
     lines += ["", "(c) Rollout anchor (μ) against recomputed anchor (π_old) at lag 2: final accuracy, and the gap "
               "the recomputed anchor hides (mean |π_old − μ|):", "",
               "| lr | depth | dppo_tv final | dppo_tv_old final | first-mini-batch \\|π−μ\\| | "
@@ -196,11 +200,7 @@ def figures(summaries: list[dict], out: str) -> None:
     for j, v in enumerate(v for v in VARIANTS if v != "pg_is"):
         pairs = [("low_mu", "tokens_masked", None), ("rival_low_mu", "tokens_rival", "//")]
         for k, (key, tokens, hatch) in enumerate(pairs):
-            vals = []
-            for seed in sorted({s["seed"] for s in summaries}):
-                ss = _cells(summaries, variant=v, seed=seed)
-                n = sum(s[tokens] for s in ss)
-                vals.append(sum((s[key] or 0) * s[tokens] for s in ss) / n if n else 0.0)
+            vals = [x or 0.0 for x in _pooled_per_seed(summaries, v, key, tokens)]
             ax.bar(j * 3 + k, sum(vals) / len(vals), color=NAMES[v][1], hatch=hatch, alpha=0.7)
             ax.scatter([j * 3 + k] * len(vals), vals, color="k", s=10)
     ax.set_xticks([j * 3 + 0.5 for j in range(len(VARIANTS) - 1)],
