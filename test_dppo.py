@@ -1352,6 +1352,10 @@ def test_offpolicy_summary_hand_computed():
     assert fell["low_mu"] == pytest.approx(1 / 13)  # step 1: 1 of 1 masked token; steps 2-5: 0 of 3 each
     assert fell["rival_low_mu"] == 1.0 and fell["tokens_masked"] == 13 and fell["tokens_rival"] == 10
     assert fell["masked"] == pytest.approx(0.1) and fell["mismatch"] == pytest.approx(1e-3)
+    cell = dict(variant="pg_is", lr=1e-4, lag=2, depth=4)  # one table row: 1 of 2 collapsed, 1 of 2 ends below 0.5
+    row = next(r for r in offpolicy.tables([fell | cell | dict(seed=0), dip | cell | dict(seed=1)]).splitlines()
+               if r.startswith("| 0.0001 | 2 | 4 | pg_is |"))
+    assert row.split(" | ")[6:8] == ["1/2", "1/2"]
 
 
 def test_offpolicy_study_quick_mode_runs_and_refuses_the_grid_without_its_lrs(tmp_path, monkeypatch):

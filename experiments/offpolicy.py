@@ -24,7 +24,8 @@ The grid, written here before it was run (python experiments/offpolicy.py; resum
              accuracy near 0.5: 0.016) evaluated every 5 steps.
 Collapse, defined so that evaluation noise cannot produce it: the accuracy smoothed over 3 consecutive evaluations
 falls 20 points below the best smoothed value the run reached before (a 20-point drop is > 10 standard errors of a
-3-evaluation mean). Final accuracy = the mean of the last 3 evaluations.
+3-evaluation mean). Final accuracy = the mean of the last 3 evaluations. Added after the pilot, before the grid ran: the tables also
+count the runs that end below their own start (a run that degrades from step 0 never falls 20 points below a best).
 Masked shares are token-weighted (each step's share weighted by its masked-token count), never averaged as fractions.
 The pilot (--pilot, recorded in offpolicy_pilot.md): dppo_tv, ratio_clip and pg_is at depth 16, lag 2, seed 0,
 lr 5e-5, 1e-4, 2e-4, 4e-4; it also measures the time per run, so the grid's budget (<= 75 minutes) is checked
@@ -132,9 +133,9 @@ def _spread(xs) -> str:
 def tables(summaries: list[dict]) -> str:
     """Markdown: (b) final accuracy per cell; (a) the same-token mask comparison; (c) the anchors under lag."""
     lines = ["(b) Final accuracy (mean of the last 3 evaluations; mean over seeds, min–max) and collapses:", "",
-             "| lr | lag | depth | variant | final acc | best (smoothed) | collapsed | "
+             "| lr | lag | depth | variant | final acc | best (smoothed) | collapsed | ends below its start | "
              "first-mini-batch \\|π−μ\\| |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     keys = sorted({(s["lr"], s["lag"], s["depth"]) for s in summaries})
     for lr, lag, depth in keys:
         for v in VARIANTS:
@@ -142,7 +143,8 @@ def tables(summaries: list[dict]) -> str:
             if ss:
                 lines.append(f"| {lr:g} | {lag} | {depth} | {v} | {_spread([s['final'] for s in ss])} | "
                              f"{_spread([s['best'] for s in ss])} | {sum(bool(s['collapse_step']) for s in ss)}/"
-                             f"{len(ss)} | {sum(s['mismatch'] for s in ss) / len(ss):.1e} |")
+                             f"{len(ss)} | {sum(s['final'] < s['acc'][0][1] for s in ss)}/{len(ss)} | "
+                             f"{sum(s['mismatch'] for s in ss) / len(ss):.1e} |")
     lines += ["", "(a) On the same mini-batches: of the tokens each rule masks, the share with μ(a) < 0.15, and their "
               "mean |π − μ| (token-weighted over every step of every run of a seed; mean over seeds, min–max):",
               "",
