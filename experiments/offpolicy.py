@@ -24,8 +24,9 @@ The grid, written here before it was run (python experiments/offpolicy.py; resum
              accuracy near 0.5: 0.016) evaluated every 5 steps.
 Collapse, defined so that evaluation noise cannot produce it: the accuracy smoothed over 3 consecutive evaluations
 falls 20 points below the best smoothed value the run reached before (a 20-point drop is > 10 standard errors of a
-3-evaluation mean). Final accuracy = the mean of the last 3 evaluations. Added after the pilot, before the grid ran: the tables also
-count the runs that end below their own start (a run that degrades from step 0 never falls 20 points below a best).
+3-evaluation mean). Final accuracy = the mean of the last 3 evaluations. Added after the pilot, while the grid ran
+and before any of its results were read: the tables also count the runs that end below their own start (a run that
+degrades from step 0 never falls 20 points below a best).
 Masked shares are token-weighted (each step's share weighted by its masked-token count), never averaged as fractions.
 The pilot (--pilot, recorded in offpolicy_pilot.md): dppo_tv, ratio_clip and pg_is at depth 16, lag 2, seed 0,
 lr 5e-5, 1e-4, 2e-4, 4e-4; it also measures the time per run, so the grid's budget (<= 75 minutes) is checked
