@@ -53,6 +53,17 @@ QUICK = dict(lrs=[3e-4], seeds=[0], steps=3, eval_every=3, prompts_per_step=8, g
 COLLAPSE_DROP = 0.30
 
 
+def run_once(run_dir: str, cfg, summarise, **meta) -> dict:
+    """One resumable run: trained unless run_dir/summary.json exists; its summary = summarise(metrics rows) | meta."""
+    done = os.path.join(run_dir, "summary.json")
+    if not os.path.exists(done):
+        t0 = time.time()
+        dppo.train(cfg)
+        rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+        json.dump(summarise(rows) | meta | dict(seconds=time.time() - t0), open(done, "w"))
+    return json.load(open(done))
+
+
 def run_grid(out: str, grid: dict) -> list[dict]:
     """Every run of the grid (skipping those already finished); returns one summary per run."""
     runs_dir = os.path.join(out, "runs")
@@ -62,21 +73,12 @@ def run_grid(out: str, grid: dict) -> list[dict]:
     for i, (variant, mm, lr, seed) in enumerate(jobs, 1):
         name = f"{variant}-mismatch_{mm}-lr{lr:g}-seed{seed}"
         run_dir = os.path.join(runs_dir, name)
-        done = os.path.join(run_dir, "summary.json")
-        if not os.path.exists(done):
-            t0 = time.time()
-            cfg = dppo.Config(model=warm, out_dir=run_dir, seed=seed, lr=lr, quiet=True,
-                              rollout_dtype=MISMATCH[mm], steps=grid["steps"], eval_every=grid["eval_every"],
-                              save_every=grid["steps"], prompts_per_step=grid["prompts_per_step"],
-                              group_size=grid["group_size"], num_minibatches=grid["num_minibatches"],
-                              **VARIANTS[variant])
-            dppo.train(cfg)
-            rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
-            summary = summarise(rows) | dict(variant=variant, mismatch=mm, lr=lr, seed=seed,
-                                             seconds=time.time() - t0)
-            json.dump(summary, open(done, "w"))
-        summaries.append(json.load(open(done)))
-        s = summaries[-1]
+        cfg = dppo.Config(model=warm, out_dir=run_dir, seed=seed, lr=lr, quiet=True,
+                          rollout_dtype=MISMATCH[mm], steps=grid["steps"], eval_every=grid["eval_every"],
+                          save_every=grid["steps"], prompts_per_step=grid["prompts_per_step"],
+                          group_size=grid["group_size"], num_minibatches=grid["num_minibatches"],
+                          **VARIANTS[variant])
+        summaries.append(s := run_once(run_dir, cfg, summarise, variant=variant, mismatch=mm, lr=lr, seed=seed))
         print(f"[{i}/{len(jobs)}] {name}: acc {s['acc'][0][1]:.3f} -> {s['final']:.3f} (best {s['best']:.3f})"
               f"{' collapsed at step %d' % s['collapse_step'] if s['collapse_step'] else ''}", flush=True)
     return summaries
