@@ -5,9 +5,10 @@ Benchmarks for dppo.py: what top-K capture and the DPPO loss cost, against the c
     python bench_dppo.py --quick    # small sizes, a smoke run; ~1-2 minutes
 
 Every time is the median of --repeats runs after one warm-up; every comparison is a ratio of two figures
-measured in this same run, with the runs of the compared functions interleaved round by round. Peak memory is the peak of tensor storage created during the call and still alive
-(PeakTensorMemory, measured in the untimed warm-up run): the same measure on CPU and GPU, blind to allocator caching, and
-excluding what existed before the call (the weights).
+measured in this same run, with the runs of the compared functions interleaved round by round. Peak memory is the
+peak of tensor storage created during the call and still alive (PeakTensorMemory, measured in the untimed warm-up
+run): the same measure on CPU and GPU, blind to allocator caching, and excluding what existed before the call (the
+weights).
 """
 import argparse
 import os
@@ -143,7 +144,7 @@ def bench_capture(args, device):
         mask = torch.ones_like(ids)
         res = {}
         for T in lengths:
-            gen = lambda: torch.Generator(device=device).manual_seed(0)  # noqa: E731
+            gen = lambda: torch.Generator(device=device).manual_seed(0)  # noqa: E731  a fresh generator per call
             fns = {
                 "sample_with_topk K=0": lambda: dppo.sample_with_topk(model, ids, mask, max_new_tokens=T, topk=0,
                                                                       eos_token_id=1, pad_token_id=0, generator=gen()),
@@ -184,7 +185,8 @@ def bench_loss(args, device):
 
     def step(kind):
         topk = kind.startswith("topk")
-        logp, tk = dppo.policy_logprobs(model, prompt, prompt_mask, comp, comp_mask, topk_ids=topk_ids if topk else None)
+        logp, tk = dppo.policy_logprobs(model, prompt, prompt_mask, comp, comp_mask,
+                                        topk_ids=topk_ids if topk else None)
         if kind == "ratio_clip":
             loss, _ = dppo.ratio_clip_loss(logp, logp_mu, adv, comp_mask)
         else:
@@ -232,9 +234,12 @@ def bench_train_step(args, device):
     total = t_sample + t_update
     table(f"One step of the default `python dppo.py` configuration ({cfg.prompts_per_step} x {cfg.group_size} "
           f"completions, {cfg.num_minibatches} mini-batches)", ["part", "time (s)", "share of the step"],
-          [["sampling with capture + rewards + advantages (collect_rollout)", f"{t_sample:.3f}", f"{t_sample / total:.0%}"],
-           ["scoring: the training forward alone, no grad (part of the update)", f"{t_score:.3f}", f"{t_score / total:.0%}"],
-           ["update: M x (forward + loss + backward + AdamW) (update_policy)", f"{t_update:.3f}", f"{t_update / total:.0%}"]])
+          [["sampling with capture + rewards + advantages (collect_rollout)", f"{t_sample:.3f}",
+            f"{t_sample / total:.0%}"],
+           ["scoring: the training forward alone, no grad (part of the update)", f"{t_score:.3f}",
+            f"{t_score / total:.0%}"],
+           ["update: M x (forward + loss + backward + AdamW) (update_policy)", f"{t_update:.3f}",
+            f"{t_update / total:.0%}"]])
 
 
 # ------------------------------------------------------------------------------------------ 4. micro-batches

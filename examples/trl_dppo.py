@@ -102,7 +102,7 @@ class DPPOTrainer(GRPOTrainer):
             raise ValueError("DPPOTrainer cannot honour this configuration:\n  - " + "\n  - ".join(problems))
         if not trl.__version__.startswith(TESTED_TRL):
             warnings.warn(f"DPPOTrainer was tested with trl {', '.join(TESTED_TRL)}; this is trl {trl.__version__}: "
-                          f"check that GRPOTrainer._compute_loss still receives the same inputs")
+                          f"check that GRPOTrainer._compute_loss still receives the same inputs", stacklevel=2)
         super().__init__(*args, **kwargs)
         self._skip_scoring = False
         if self.use_vllm and self.vllm_mode == "colocate" and _vllm_on_cpu():

@@ -121,7 +121,8 @@ def tables(summaries: list[dict]) -> str:
             lines.append(f"| {lr:g} | {mm} | {v} | {avg(fin):.3f} ({min(fin):.2f}–{max(fin):.2f}) | "
                          f"{avg([s['best'] for s in ss]):.3f} | {len(col)}/{len(ss)} | "
                          f"{avg(col):.0f} | {avg([s['abs_dp_mean'] for s in ss]):.4f} | "
-                         f"{avg([s['mismatch_dp_mean'] for s in ss]):.1e} | {avg([s['masked_frac'] for s in ss]):.3f} | "
+                         f"{avg([s['mismatch_dp_mean'] for s in ss]):.1e} | "
+                         f"{avg([s['masked_frac'] for s in ss]):.3f} | "
                          f"{avg([s['masked_frac_neg'] for s in ss]):.3f} |".replace("| nan |", "| – |"))
     lines += ["", "Claim (a): of the tokens each rule masked over a run, the share whose rollout probability μ(a) "
               "was below 0.15 (mean over the runs of that variant, all lrs and mismatch settings):", "",
