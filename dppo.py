@@ -900,7 +900,8 @@ def _check_sampling_args(model, prompt_ids, prompt_mask, max_new_tokens, tempera
     V_in = model.get_input_embeddings().weight.shape[0]  # the model reads prompts, sampled tokens and pad
     _check_ids("prompt_ids", prompt_ids, V_in)
     _check_ids("pad_token_id", torch.as_tensor(pad_token_id), min(V, V_in))
-    _check_ids("eos_token_id", torch.as_tensor(eos_token_id), V)
+    eos = torch.as_tensor(eos_token_id)
+    _check_ids("eos_token_id", eos[eos >= 0], V)  # (a negative id ends nothing: fixed-length sampling)
 
 
 def _check_ids(name: str, ids: torch.Tensor, V: int) -> None:

@@ -2041,6 +2041,10 @@ def broken_model_dirs(tmp_path_factory):
                          intermediate_size=128, max_position_embeddings=64, pad_token_id=0)
     tf.BertForMaskedLM(bert).save_pretrained(root / "bert")  # bidirectional: loads as BertLMHeadModel
     tok.save_pretrained(root / "bert")
+    t5 = tf.T5Config(vocab_size=len(tok), d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4, pad_token_id=0,
+                     eos_token_id=1, decoder_start_token_id=0)
+    tf.T5ForConditionalGeneration(t5).save_pretrained(root / "t5")  # an encoder-decoder
+    tok.save_pretrained(root / "t5")
     return root
 
 
@@ -2064,6 +2068,7 @@ def _refused_by_the_cli(args, out_dir):
     ("bad_tokenizer", "cannot load its tokenizer"),
     ("bad_weights", "cannot load its weights"),
     ("bert", "is not a causal decoder"),
+    ("t5", r"is an encoder-decoder \(t5\); DPPO needs a causal decoder"),
 ])
 def test_a_model_that_cannot_load_or_is_not_causal_is_one_error_line(broken_model_dirs, tmp_path, name, expected):
     """Loading --model fails after validation passed (weights or tokenizer missing or damaged), or loads a model that
