@@ -356,8 +356,8 @@ def ratio_clip_loss(logp, logp_mu, advantages, completion_mask, *, eps_low=0.2, 
 
 # ==========================================================================================================
 # Rollout: sample from mu = softmax(logits / T) and capture what mu was; score pi the same way.
-# To copy: this block to its end line, with its argument check and sampler kernels from the harness (the README's
-# copy table names them); it needs `import inspect, math, torch`, `dataclass` and `Optional`, and an HF model.
+# To copy: this block to its end line, with the argument checks and sampler kernels defined after the banner below
+# (the README's copy table names them); it needs `import inspect, math, torch`, `dataclass`, `Optional`, a HF model.
 # ==========================================================================================================
 
 

@@ -2281,3 +2281,36 @@ def test_an_evaluation_through_the_engine_pushes_the_weights_once(monkeypatch):
     names = [c[0] for c in engine.llm.calls]
     assert names.count("collective_rpc") == names.count("wake_up") == names.count("generate") == 1
     assert acc == dppo.evaluate(model, tok, ds, dppo.number_reward, cfg)[0]  # the same greedy answers, in batches of 2
+
+
+def test_soft_capped_logits_score_and_differentiate_right_in_float32():
+    """A model that caps its logits after the head (Gemma-2's final_logit_softcapping) is scored from its own logits.
+    In float32 that path used to divide and exponentiate the model's logits in place: a crash at the first backward,
+    or a wrong gradient at T != 1. Capture equals scoring, and the gradient equals float64 autograd."""
+    import transformers as tf
+    torch.manual_seed(0)
+    cfg = tf.Gemma2Config(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
+                          final_logit_softcapping=2.0, pad_token_id=0, eos_token_id=1, bos_token_id=2)
+    model = tf.Gemma2ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20.0)  # logits of a few units: the cap at 2 bends them
+    ids, mask = left_padded_prompts(40, [4, 2, 6])
+    ro = dppo.sample_with_topk(model, ids, mask, max_new_tokens=6, temperature=0.7, topk=3, eos_token_id=1,
+                               pad_token_id=0, generator=torch.Generator().manual_seed(0))
+    comp, comp_mask = ro.completion_ids, ro.completion_mask
+    logp, tk = dppo.policy_logprobs(model, ids, mask, comp, comp_mask, temperature=0.7, topk_ids=ro.topk_ids)
+    valid = comp_mask.bool()
+    assert (logp - ro.logp_mu)[valid].abs().max() <= f32_tol(ro.logp_mu[valid])
+    w = torch.randn(comp.shape, generator=torch.Generator().manual_seed(1)) * comp_mask
+    grads = torch.autograd.grad((logp * w).sum(), list(model.parameters()), allow_unused=True)
+    full, attn = torch.cat([ids, comp], 1), torch.cat([mask, comp_mask.long()], 1)
+    logits = model(input_ids=full, attention_mask=attn, position_ids=(attn.cumsum(-1) - 1).clamp_min(0)).logits
+    assert float(logits.abs().max()) > 1.0  # the cap is in play
+    ref = torch.log_softmax(logits[:, ids.shape[1] - 1:-1].double() / 0.7, -1).gather(-1, comp[..., None])[..., 0]
+    ref_grads = torch.autograd.grad((ref * w.double()).sum(), list(model.parameters()), allow_unused=True)
+    for a, b in zip(grads, ref_grads):
+        if b is None:
+            assert a is None or not a.any()
+            continue
+        assert torch.allclose(a, b.float(), atol=1e-5, rtol=1e-4)

