@@ -562,8 +562,7 @@ def update_policy(model, opt, batch: Batch, cfg: Config, gen) -> dict:
     mini-batch however it is split into micro-batches (gradients accumulate); batch-averaged metrics."""
     ro, adv, budget = batch.rollout, batch.advantages, cfg.max_tokens_per_microbatch
     p_len, c_len = batch.prompt_mask.sum(-1), ro.completion_mask.sum(-1)    # (B,) each
-    for m in model.modules():  # dropout off, as when mu sampled (TRL does the same); but HF recomputes a layer in
-        m.training = bool(getattr(m, "gradient_checkpointing", False))  # backward only when it is in training mode
+    scoring_mode(model)  # (harness) dropout off, as when mu sampled; checkpointing layers still recompute
     anchor, extra = ro, {}
     if cfg.anchor == "recomputed":  # the baseline the paper warns against: w and D from a re-scored "old policy"
         anchor, extra = recomputed_anchor(model, batch, cfg)  # (harness) pi_old before any update, |pi_old - mu|
@@ -990,6 +989,18 @@ def captured_topk(cfg: Config) -> int:
 
 
 # --- The update's plumbing: micro-batches, the recomputed-anchor baseline, metrics studies read ------------
+def scoring_mode(model) -> None:
+    """Dropout off, as when mu sampled (TRL does the same). HF recomputes a layer in backward only when that layer is
+    in training mode, so layers that checkpoint stay in it, and the dropout rates they apply themselves (OPT's
+    layers call functional dropout with training=self.training) are set to 0; their children are in eval mode."""
+    for m in model.modules():
+        m.training = bool(getattr(m, "gradient_checkpointing", False))
+        if m.training:
+            for name, value in list(vars(m).items()):
+                if "dropout" in name and isinstance(value, float):
+                    setattr(m, name, 0.0)
+
+
 def microbatches(idx, prompt_len, completion_len, budget: Optional[int]) -> list:
     """Rows idx -> groups, shortest first, each padded to n x (longest prompt + longest completion) <= budget
     tokens (one row at least); budget None: one group. prompt_len, completion_len (B,)."""

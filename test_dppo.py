@@ -2314,3 +2314,34 @@ def test_soft_capped_logits_score_and_differentiate_right_in_float32():
             assert a is None or not a.any()
             continue
         assert torch.allclose(a, b.float(), atol=1e-5, rtol=1e-4)
+
+
+def test_gradient_checkpointing_scores_with_dropout_off_in_layers_that_drop_out_themselves():
+    """OPT's decoder layers apply dropout with functional calls (training=self.training), and checkpointing needs the
+    layers in training mode: with --gradient_checkpointing the first mini-batch must still score pi == mu (dropout
+    0.1 both in the layers and their attention), and the gradient must equal the one without checkpointing."""
+    import transformers as tf
+    tok = dppo.build_char_tokenizer()
+    grads, mismatch = {}, {}
+    for checkpointing in (False, True):
+        torch.manual_seed(0)
+        config = tf.OPTConfig(vocab_size=len(tok), hidden_size=32, ffn_dim=64, num_hidden_layers=2,
+                              num_attention_heads=2,
+                              max_position_embeddings=64, word_embed_proj_dim=32, dropout=0.1, attention_dropout=0.1,
+                              activation_dropout=0.1, pad_token_id=0, eos_token_id=1, bos_token_id=2)
+        model = tf.OPTForCausalLM(config)
+        if checkpointing:
+            model.gradient_checkpointing_enable({"use_reentrant": False})
+        cfg = dppo.with_model_defaults(dppo.Config(prompts_per_step=4, group_size=4, num_minibatches=1))
+        ds, reward_fn, _ = dppo.load_task(cfg)
+        gen = dppo.seed_everything(0)
+        batch = dppo.collect_rollout(model, tok, ds["train"][:4], reward_fn, cfg, gen, gen, model)
+        batch.advantages = torch.randn(16, generator=torch.Generator().manual_seed(1))
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)  # keep the gradient: a step of size 0
+        opt.zero_grad = lambda set_to_none=True: None  # (update_policy frees .grad after the step; keep it here)
+        m = dppo.update_policy(model, opt, batch, cfg, gen)
+        mismatch[checkpointing] = m["mismatch_dp_max"]
+        grads[checkpointing] = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    assert mismatch[True] < F32_DP and mismatch[False] < F32_DP, mismatch
+    assert len(grads[True]) == len(grads[False]) > 0
+    assert all(torch.allclose(a, b, atol=1e-6, rtol=1e-4) for a, b in zip(grads[True], grads[False]))
