@@ -420,8 +420,14 @@ def sample_with_topk(model, prompt_ids, prompt_mask, *, max_new_tokens, temperat
         if bool(finished.all()):
             break
         attn = torch.cat([attn, torch.ones_like(attn[:, :1])], dim=-1)               # (B, P + t + 1)
-        out = model(input_ids=tok[:, None], attention_mask=attn, position_ids=next_pos,
-                    use_cache=True, **{cache_kw: getattr(out, cache_kw)})
+        cache = getattr(out, cache_kw, None)
+        if cache is None:  # a model that returns no cache (RecurrentGemma keeps its state inside): the whole prefix
+            prefix = torch.cat([prompt_ids, ids[:, :t + 1]], dim=-1)                   # (B, P + t + 1)
+            out = model(input_ids=prefix, attention_mask=attn, position_ids=(attn.cumsum(-1) - 1).clamp_min(0),
+                        use_cache=False, logits_to_keep=1)
+        else:
+            out = model(input_ids=tok[:, None], attention_mask=attn, position_ids=next_pos,
+                        use_cache=True, **{cache_kw: cache})
         next_pos = next_pos + 1
     model.train(was_training)
     T = t + 1                                                                         # steps actually taken
@@ -440,66 +446,82 @@ def completion_mask_from_ids(ids: torch.Tensor, eos_token_id) -> torch.Tensor:
 
 # --- Scoring: log pi at the sampled tokens (and mu's top-K ids), with the head in float32 ----------------
 class _TemperedLogProbs(torch.autograd.Function):
-    """y = log softmax(z / T) at ids, z = h W^T + b in float32 (weight None: h is z); (B, c, H), (B, c, J) -> (B, c, J).
-    Saves h only; backward rebuilds the chunk's softmax in a (B, c, V) buffer: no (B, T, V) tensor is kept."""
+    """y = log softmax(z / T) at ids, with z the logits in float32: z = s * (h W^T + b), then z = c * tanh(z / c) when
+    the model caps them (scale s, cap c: what it does after its head; weight None: h is z already).
+    (B, c, H), (B, c, J) -> (B, c, J). Saves h only; backward rebuilds the chunk's logits in (B, c, V) buffers, so no
+    (B, T, V) tensor is kept."""
 
     @staticmethod
-    def forward(ctx, h, weight, bias, ids, temperature):
+    def forward(ctx, h, weight, bias, ids, temperature, scale=1.0, cap=None):
         with torch.autocast(h.device.type, enabled=False):
-            z = _float_logits(h, weight, bias) / temperature      # (B, c, V) tempered logits, a new tensor
-            lse = z.logsumexp(-1, keepdim=True)                   # (B, c, 1)
+            z = _float_logits(h, weight, bias, scale, cap) / temperature  # (B, c, V) tempered logits, a new tensor
+            lse = z.logsumexp(-1, keepdim=True)                            # (B, c, 1)
         ctx.save_for_backward(h, weight, bias, ids, lse)
-        ctx.temperature = temperature
-        return z.gather(-1, ids) - lse                            # (B, c, J)
+        ctx.temperature, ctx.scale, ctx.cap = temperature, scale, cap
+        return z.gather(-1, ids) - lse                                     # (B, c, J)
 
     @staticmethod
-    def backward(ctx, g):                                         # g = dL/dy (B, c, J)
+    def backward(ctx, g):                                                  # g = dL/dy (B, c, J)
         h, weight, bias, ids, lse = ctx.saved_tensors
-        T = ctx.temperature
+        T, s, c = ctx.temperature, ctx.scale, ctx.cap
         with torch.autocast(h.device.type, enabled=False):
             # y_j = z_{ids_j} / T - lse(z / T), so dL/dz = (onehot(ids)^T g - softmax(z / T) * sum_j g_j) / T
-            # (one line a term, each rebinding dz, so that at most two (B, c, V) buffers are alive)
-            dz = torch.exp(_float_logits(h, weight, bias) / T - lse)     # (B, c, V) softmax(z / T)
-            dz = dz * -g.sum(-1, keepdim=True)                            # (B, c, V) - softmax * sum_j g_j
-            dz = dz.scatter_add(-1, ids, g)                               # (B, c, V) + onehot(ids)^T g
-            dz = dz / T                                                   # (B, c, V) dL/dz
+            # (one line a term, each rebinding dz, so that few (B, c, V) buffers are alive at once)
+            z = _float_logits(h, weight, bias, s, c)                       # (B, c, V) the logits again
+            dz = torch.exp(z / T - lse)                                    # (B, c, V) softmax(z / T)
+            dz = dz * -g.sum(-1, keepdim=True)                             # (B, c, V) - softmax * sum_j g_j
+            dz = dz.scatter_add(-1, ids, g)                                # (B, c, V) + onehot(ids)^T g
+            dz = dz / T                                                    # (B, c, V) dL/dz
+            if c is not None:
+                dz = dz * (1 - (z / c) ** 2)  # through the cap: d/du [c tanh(u / c)] = 1 - tanh(u / c)^2
+            del z
+            if s != 1.0:
+                dz = dz * s                   # through the scale: dL/d(h W^T + b)
             if weight is None:
-                return dz.to(h.dtype), None, None, None, None
+                return dz.to(h.dtype), None, None, None, None, None, None
             dw = dz.flatten(0, 1).T @ h.flatten(0, 1).float() if ctx.needs_input_grad[1] else None  # (V, H)
             db = dz.sum((0, 1)) if bias is not None and ctx.needs_input_grad[2] else None          # (V,)
-            return (dz @ weight.float()).to(h.dtype), dw, db, None, None
+            return (dz @ weight.float()).to(h.dtype), dw, db, None, None, None, None
 
 
-def _float_logits(h, weight, bias):  # (B, c, H) -> (B, c, V) float32
+def _float_logits(h, weight, bias, scale=1.0, cap=None):  # (B, c, H) -> (B, c, V) float32
     if weight is None:
-        return h.float()
-    return torch.nn.functional.linear(h.float(), weight.float(), None if bias is None else bias.float())
+        z = h.float()
+    else:
+        z = torch.nn.functional.linear(h.float(), weight.float(), None if bias is None else bias.float())
+    if scale != 1.0:
+        z = z * scale
+    if cap is not None:
+        z = cap * torch.tanh(z / cap)
+    return z
 
 
 def policy_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, *, temperature=1.0,
                     topk_ids=None, chunk_bytes=2 ** 28):
     """Training-time forward: log pi(a_t) (B, T) with gradient, and log pi on mu's top-K ids (B, T, K) without
     gradient (None when topk_ids is None), tempered and positioned as sampled. Head and log-softmax in float32 on the
-    hidden states, chunk by chunk; a model that rescales or caps the logits after its head is scored from them."""
+    hidden states, chunk by chunk, with what the model does to its logits after the head (a scale, a soft cap: measured
+    once per model); a model whose logits follow no such form is scored from its own logits, which keeps (B, T, V)."""
     _check_scoring_args(model, prompt_ids, prompt_mask, completion_ids, completion_mask, topk_ids)  # ValueError
     P, T = prompt_ids.shape[1], completion_ids.shape[1]
     ids = torch.cat([prompt_ids, completion_ids], dim=1)                       # (B, P + T)
     attn = torch.cat([prompt_mask.long(), completion_mask.long()], dim=1)      # (B, P + T)
     kw = dict(input_ids=ids, attention_mask=attn, position_ids=(attn.cumsum(-1) - 1).clamp_min(0), use_cache=False)
     head = model.get_output_embeddings()                                       # weight (V, H)
-    text_config = model.config.get_text_config()
-    if any(getattr(text_config, k, None) for k in ("final_logit_softcapping", "logit_scale", "logits_scaling")):
+    after_head = _logits_after_head(model, kw)                                 # (scale, cap), or None
+    if after_head is None:
         # the logits at the positions that predict a_t, as the model computes them
         h = model(**kw, logits_to_keep=torch.arange(P - 1, P + T - 1)).logits   # (B, T, V)
-        weight, bias = None, None
+        weight, bias, scale, cap = None, None, 1.0, None
     else:
         h = model.get_decoder()(**kw).last_hidden_state[:, P - 1:-1]           # (B, T, H)
         weight, bias = head.weight, head.bias
+        scale, cap = after_head
     targets = completion_ids[..., None]                                        # (B, T, 1)
     if topk_ids is not None:
         targets = torch.cat([targets, topk_ids], dim=-1)                       # (B, T, 1 + K)
     step = max(1, chunk_bytes // (ids.shape[0] * head.weight.shape[0] * 4))  # time steps per float32 (B, c, V) chunk
-    chunks = [_TemperedLogProbs.apply(hc, weight, bias, tg, temperature)
+    chunks = [_TemperedLogProbs.apply(hc, weight, bias, tg, temperature, scale, cap)
               for hc, tg in zip(h.split(step, dim=1), targets.split(step, dim=1))]
     out = torch.cat(chunks, dim=1)                                             # (B, T, 1 [+ K])
     topk_logp = out[..., 1:].detach() if topk_ids is not None else None        # (B, T, K): pi at mu's ids, a constant
@@ -693,18 +715,43 @@ def build_tiny_model(vocab_size: int, context: int = TINY_CONTEXT, seed: int = 0
     return LlamaForCausalLM(config)
 
 
-def addition_dataset(digits: int, eval_size: int, chat: bool = False):
-    """All a+b with a, b < 10**digits: 'prompt', 'answer' and the carry-free mistake 'forgot_carry'; the held-out
-    'test' split is fixed by the task, never the seed. chat=True asks a real chat model; else fixed-width "07+45="."""
-    from datasets import Dataset
+class Table:
+    """A dataset split held as named columns of equal length, with the part of `datasets.Dataset`'s interface this
+    file reads: t["prompt"] is a column; t[i] a row; t[a:b] and t[[i, j, ...]] a dict of columns. The embedded task
+    needs no `datasets` (a bare CUDA machine may lack it); GSM8K loads through it."""
+
+    def __init__(self, columns: dict):
+        self.columns = columns
+
+    def __len__(self) -> int:
+        return len(next(iter(self.columns.values())))
+
+    def __getitem__(self, key):
+        if isinstance(key, str):
+            return self.columns[key]
+        if isinstance(key, int):
+            return {name: col[key] for name, col in self.columns.items()}
+        if isinstance(key, slice):
+            return {name: col[key] for name, col in self.columns.items()}
+        return {name: [col[i] for i in key] for name, col in self.columns.items()}
+
+
+def addition_dataset(digits: int, eval_size: int, chat: bool = False) -> dict:
+    """All a+b with a, b < 10**digits: 'prompt', 'answer' and the carry-free mistake 'forgot_carry', as {"train",
+    "test"} Tables; the held-out split is fixed by the task, never the seed (rows ordered as datasets'
+    train_test_split(seed=0) orders them). chat=True asks a real chat model; else fixed-width "07+45="."""
+    import numpy as np
     pairs = [(a, b) for a in range(10 ** digits) for b in range(10 ** digits)]
 
     def ask(a, b):  # fixed width ("07+45=" -> "052") keeps digits aligned, which a 2-layer model learns far faster
         return f"What is {a} + {b}? End with the number." if chat else f"{a:0{digits}d}+{b:0{digits}d}="
-    ds = Dataset.from_dict({"prompt": [ask(a, b) for a, b in pairs],
-                            "answer": [f"{a + b:0{digits + 1}d}" for a, b in pairs],
-                            "forgot_carry": [_sum_without_carry(a, b, digits) for a, b in pairs]})
-    return ds.train_test_split(test_size=min(eval_size, len(ds) // 2), seed=0)
+    columns = {"prompt": [ask(a, b) for a, b in pairs],
+               "answer": [f"{a + b:0{digits + 1}d}" for a, b in pairs],
+               "forgot_carry": [_sum_without_carry(a, b, digits) for a, b in pairs]}
+    order = np.random.default_rng(0).permutation(len(pairs)).tolist()  # the held-out rows first
+    n_test = min(eval_size, len(pairs) // 2)
+    split = {"test": order[:n_test], "train": order[n_test:]}
+    return {name: Table({k: [col[i] for i in rows] for k, col in columns.items()}) for name, rows in split.items()}
 
 
 def _sum_without_carry(a: int, b: int, digits: int) -> str:
@@ -934,6 +981,47 @@ def _check_scoring_args(model, prompt_ids, prompt_mask, completion_ids, completi
     _check_ids("completion_ids", completion_ids, min(V_in, V_out))  # read as inputs and gathered from the logits
     if topk_ids is not None:
         _check_ids("topk_ids", topk_ids, V_out)
+
+
+SOFT_CAP_KEYS = ("final_logit_softcapping", "logits_soft_cap")  # Gemma-2/3, RecurrentGemma: z = c tanh(z / c)
+
+
+def _logits_after_head(model, kw: dict) -> tuple | None:
+    """What the model does to its logits after its head, measured once per model on one row of the scored batch: its
+    own logits against the head applied to its decoder's output at a few positions, fitted as z = s (h W^T + b)
+    (Cohere, Granite, MiniCPM3, Falcon-H1, ... under whatever config name) and capped as z = c tanh(z / c) where the
+    config names a soft cap. Returns (s, c) (c None: no cap), or None when no such form fits: the caller then scores
+    the model's own logits. A fit within rounding of the model's dtype is what the sampler's logits are."""
+    if hasattr(model, "_dppo_logits_after_head"):
+        return model._dppo_logits_after_head
+    head, config = model.get_output_embeddings(), model.config.get_text_config()
+    n = min(8, kw["input_ids"].shape[1])                                   # positions compared
+    row = {k: v[:1] if torch.is_tensor(v) else v for k, v in kw.items()}   # one row of the batch
+    seen = {}
+
+    def keep_hidden(module, args, out):  # returns None: the decoder's output is left as it is
+        seen["h"] = out[0]
+
+    hook = model.get_decoder().register_forward_hook(keep_hidden)
+    try:
+        with torch.no_grad(), torch.autocast(kw["input_ids"].device.type, enabled=False):
+            own = model(**row, logits_to_keep=n).logits[0].double()         # (n, V) the model's own logits
+            z = _float_logits(seen["h"][:, -n:], head.weight, head.bias)[0].double()  # (n, V) its head's output
+    finally:
+        hook.remove()
+    caps = [float(getattr(config, k)) for k in SOFT_CAP_KEYS if getattr(config, k, None)]
+    cap = caps[0] if caps else None
+    # the scale by least squares, on the logits before the cap (atanh undoes it): s = <u, z> / <z, z>
+    u = own if cap is None else cap * torch.atanh((own / cap).clamp(-1 + 1e-7, 1 - 1e-7))
+    scale = float((u * z).sum() / (z * z).sum().clamp_min(1e-30))
+    if abs(scale - 1.0) <= 1e-3:
+        scale = 1.0  # within any dtype's fit error of 1: the plain head
+    fitted = _float_logits(z, None, None, scale, cap).double()
+    dtype = own.new_tensor(0, dtype=head.weight.dtype).dtype
+    tol = 4 * max(torch.finfo(dtype).eps, torch.finfo(torch.float32).eps) * max(1.0, float(own.abs().max()))
+    measured = (scale, cap) if float((fitted - own).abs().max()) <= tol else None
+    model._dppo_logits_after_head = measured
+    return measured
 
 
 def _blocks(x: torch.Tensor, size: int = 256, fill: float = 0.0) -> torch.Tensor:

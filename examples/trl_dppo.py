@@ -181,8 +181,12 @@ def number_reward(prompts, completions, answer, **kwargs) -> list[float]:
 
 
 def conversational(ds, tok):
-    """Prompts as one user message when the tokenizer has a chat template (TRL applies it only to conversational
-    data; dppo.py applies it itself), as plain text otherwise (the embedded character-level model)."""
+    """A `datasets.Dataset` (dppo.py's embedded task is a plain dppo.Table) with prompts as one user message when the
+    tokenizer has a chat template (TRL applies it only to conversational data; dppo.py applies it itself), as plain
+    text otherwise (the embedded character-level model)."""
+    if isinstance(ds, dppo.Table):
+        from datasets import Dataset
+        ds = Dataset.from_dict(ds.columns)
     if not getattr(tok, "chat_template", None):
         return ds
     return ds.map(lambda ex: {"prompt": [{"role": "user", "content": ex["prompt"]}]})
