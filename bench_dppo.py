@@ -1,7 +1,7 @@
 """
 Benchmarks for dppo.py: what top-K capture and the DPPO loss cost, against the cheapest baselines, in one run.
 
-    python bench_dppo.py            # full sizes (B = 64, T = 128, V = 32k; B = 16 at 152k); ~10 min on 2 CPU cores
+    python bench_dppo.py            # full sizes (B = 64, T = 128, V = 32k; B = 16 at 152k); ~11 min on 2 CPU cores
     python bench_dppo.py --quick    # small sizes, a smoke run; ~1-2 minutes
 
 Every time is the median of --repeats runs after one warm-up; every comparison is a ratio of two figures
@@ -271,6 +271,77 @@ def bench_microbatch_memory(args, device):
                                                  "micro-batches", "peak MB", "time (s)"], rows)
 
 
+# ------------------------------------------------------------------------------------------ 5. prompt once
+
+
+def matmul_flops(device, n=1024, repeats=5) -> float:
+    """This device's float32 matmul rate (FLOP/s), measured now: the median of `repeats` n x n products."""
+    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
+    a @ b
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        a @ b
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return 2 * n ** 3 / statistics.median(times)
+
+
+def smollm2_shaped(device, layers):
+    """A randomly initialised decoder with SmolLM2-135M's shapes (V = 49,152, hidden 576, 9 query and 3 key-value
+    heads, tied embeddings); `layers` of its 30."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=49_152, hidden_size=576, intermediate_size=1536, num_hidden_layers=layers,
+                      num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=2048,
+                      tie_word_embeddings=True, pad_token_id=0, eos_token_id=1, bos_token_id=None)
+    return LlamaForCausalLM(cfg).to(device).eval()
+
+
+def bench_prompt_once(args, device):
+    """Sampling P x G rows (each prompt G times) with each distinct prompt prefilled once and its KV cache
+    expanded, against prefilling all rows, at two prompt lengths; each beside its FLOP floor, 2 N tokens at this
+    device's float32 matmul rate measured in the same run (N: the parameters a token passes through)."""
+    model = smollm2_shaped(device, args.prompt_once_layers)
+    n_params = sum(p.numel() for p in model.parameters())  # tied: the embedding matrix is the head, used once
+    rate = matmul_flops(device)
+    P_prompts, G, T = args.prompt_once_groups
+    every_row = lambda p, a: (torch.arange(len(p), device=p.device), torch.arange(len(p), device=p.device))  # noqa: E731
+    shared = dppo._distinct_rows
+    rows = []
+    for P in args.prompt_once_lengths:
+        g = torch.Generator().manual_seed(0)
+        ids = torch.randint(2, 49_152, (P_prompts, P), generator=g).repeat_interleave(G, dim=0).to(device)
+        mask = torch.ones_like(ids)
+
+        def sample(distinct):
+            dppo._distinct_rows = distinct
+            try:
+                return dppo.sample_with_topk(model, ids, mask, max_new_tokens=T, topk=20, eos_token_id=-1,
+                                             pad_token_id=0, generator=torch.Generator(device).manual_seed(0))
+            finally:
+                dppo._distinct_rows = shared
+        times = {"shared": [], "every row": []}
+        for r in range(args.prompt_once_repeats + 1):  # round 0 warms up; the rest are interleaved
+            for name, distinct in (("shared", shared), ("every row", every_row)):
+                t0 = time.perf_counter()
+                sample(distinct)
+                if r:
+                    times[name].append(time.perf_counter() - t0)
+        for name, prefilled in (("shared", P_prompts), ("every row", P_prompts * G)):
+            tokens = prefilled * P + P_prompts * G * T  # prompt tokens run forward + the tokens generated
+            floor = 2 * n_params * tokens / rate
+            sec = statistics.median(times[name])
+            rows.append([P, name, tokens, f"{sec:.2f}", f"{floor:.2f}", f"{floor / sec:.0%}"])
+        speedup = statistics.median(times["every row"]) / statistics.median(times["shared"])
+        rows.append([P, "every row / shared", "", f"{speedup:.2f}x", "", ""])
+    table(f"Sampling with each prompt prefilled once ({P_prompts} prompts x {G} completions of {T} tokens, top-K "
+          f"20; SmolLM2-135M shapes, {args.prompt_once_layers} layers, {n_params / 1e6:.0f}M parameters; float32 "
+          f"matmul {rate / 1e9:.0f} GFLOP/s here)", ["prompt tokens", "prefill", "tokens through the model",
+                                                     "time (s)", "FLOP floor (s)", "floor / time"], rows)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="small sizes: a smoke run in about a minute")
@@ -284,10 +355,14 @@ def main():
         args.capture, args.lengths, args.batch, args.loss_vocab, args.train_prompts = \
             [(32_000, 16, [8, 32])], [32], 16, 32_000, 8
         args.budgets, args.minibatches = [None, 160, 320], [4, 16]
+        args.prompt_once_layers, args.prompt_once_groups, args.prompt_once_lengths = 2, (2, 4, 4), [8, 32]
     else:  # B = 16 at V = 152k keeps the whole run within ~10 minutes on 2 CPU cores
         args.capture, args.lengths, args.batch, args.loss_vocab, args.train_prompts = \
             [(32_000, 64, [32, 128]), (152_064, 16, [128])], [128], 64, 32_000, 32
         args.budgets, args.minibatches = [None, 1088, 2176], [16, 64]  # 8 and 16 sequences of 136 tokens
+        # the real-model run's shape: 8 prompts x 8 completions of 48 tokens; prompts of its ~45 tokens and 200
+        args.prompt_once_layers, args.prompt_once_groups, args.prompt_once_lengths = 30, (8, 8, 48), [45, 200]
+    args.prompt_once_repeats = min(args.repeats, 2)
     args.k = 20
     print(f"device: {device} | torch {torch.__version__} | threads {torch.get_num_threads()} | "
           f"{'quick' if args.quick else 'full'} sizes | median of {args.repeats} after 1 warm-up")
@@ -296,6 +371,7 @@ def main():
     bench_loss(args, device)
     bench_train_step(args, device)
     bench_microbatch_memory(args, device)
+    bench_prompt_once(args, device)
     print(f"\ntotal benchmark time: {time.time() - t0:.0f} s")
 
 

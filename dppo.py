@@ -375,7 +375,8 @@ class Rollout:
 def sample_with_topk(model, prompt_ids, prompt_mask, *, max_new_tokens, temperature=1.0, topk=20,
                      eos_token_id, pad_token_id, generator=None, greedy=False) -> Rollout:
     """Sample from softmax(logits / T) over the whole vocabulary, recording log mu(a_t) and, for topk > 0, mu's top-K
-    ids and log-probs; memory O(B*T*K). Prompts left-padded (B, P); eos_token_id: one id or a list; greedy: argmax."""
+    ids and log-probs; memory O(B*T*K). Prompts left-padded (B, P); eos_token_id: one id or a list; greedy: argmax.
+    Each distinct prompt is prefilled once and its KV cache shared by its rows (a rollout holds each prompt G times)."""
     _check_sampling_args(model, prompt_ids, prompt_mask, max_new_tokens, temperature, topk, pad_token_id,
                          eos_token_id)  # ValueError for an input that cannot work
     was_training = model.training
@@ -387,8 +388,7 @@ def sample_with_topk(model, prompt_ids, prompt_mask, *, max_new_tokens, temperat
     eos = torch.as_tensor(eos_token_id, device=device).view(-1)  # (E,) every id that ends a completion
     attn = prompt_mask.long()                                   # (B, P); left padding -> positions from 0:
     cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"  # 5.x, 4.x
-    out = model(input_ids=prompt_ids, attention_mask=attn, position_ids=(attn.cumsum(-1) - 1).clamp_min(0),
-                use_cache=True, logits_to_keep=1)               # (B, 1, V): only the last position's logits
+    logits, cache = _prefill(model, prompt_ids, attn, cache_kw)  # (B, 1, V) the last position's, and the KV cache
     next_pos = attn.sum(-1, keepdim=True)                       # (B, 1)
     finished = torch.zeros(B, dtype=torch.bool, device=device)  # (B,)
     # outputs are written in place into preallocated (B, T_max[, K]) buffers: O(B*T*K), never O(B*V) per step
@@ -399,7 +399,7 @@ def sample_with_topk(model, prompt_ids, prompt_mask, *, max_new_tokens, temperat
     topk_ids = torch.zeros(B, max_new_tokens, topk, dtype=torch.long, device=device) if topk else None  # (B, T_max, K)
     topk_logp_mu = torch.zeros(B, max_new_tokens, topk, **f32) if topk else None                       # (B, T_max, K)
     for t in range(max_new_tokens):
-        z = out.logits[:, -1].float()                                                  # (B, V), this step only
+        z = logits[:, -1].float()                                                      # (B, V), this step only
         logp_full = torch.log_softmax(z / temperature if temperature != 1.0 else z, dim=-1)  # (B, V)
         probs = logp_full.exp()                                                       # (B, V)
         if greedy:
@@ -420,14 +420,8 @@ def sample_with_topk(model, prompt_ids, prompt_mask, *, max_new_tokens, temperat
         if bool(finished.all()):
             break
         attn = torch.cat([attn, torch.ones_like(attn[:, :1])], dim=-1)               # (B, P + t + 1)
-        cache = getattr(out, cache_kw, None)
-        if cache is None:  # a model that returns no cache (RecurrentGemma keeps its state inside): the whole prefix
-            prefix = torch.cat([prompt_ids, ids[:, :t + 1]], dim=-1)                   # (B, P + t + 1)
-            out = model(input_ids=prefix, attention_mask=attn, position_ids=(attn.cumsum(-1) - 1).clamp_min(0),
-                        use_cache=False, logits_to_keep=1)
-        else:
-            out = model(input_ids=tok[:, None], attention_mask=attn, position_ids=next_pos,
-                        use_cache=True, **{cache_kw: cache})
+        # the next position's logits from the cache (or, for a model that returns none, from the whole prefix)
+        logits, cache = _decode_step(model, tok, attn, next_pos, cache, cache_kw, prompt_ids, ids[:, :t + 1])
         next_pos = next_pos + 1
     model.train(was_training)
     T = t + 1                                                                         # steps actually taken
@@ -482,18 +476,6 @@ class _TemperedLogProbs(torch.autograd.Function):
             dw = dz.flatten(0, 1).T @ h.flatten(0, 1).float() if ctx.needs_input_grad[1] else None  # (V, H)
             db = dz.sum((0, 1)) if bias is not None and ctx.needs_input_grad[2] else None          # (V,)
             return (dz @ weight.float()).to(h.dtype), dw, db, None, None, None, None
-
-
-def _float_logits(h, weight, bias, scale=1.0, cap=None):  # (B, c, H) -> (B, c, V) float32
-    if weight is None:
-        z = h.float()
-    else:
-        z = torch.nn.functional.linear(h.float(), weight.float(), None if bias is None else bias.float())
-    if scale != 1.0:
-        z = z * scale
-    if cap is not None:
-        z = cap * torch.tanh(z / cap)
-    return z
 
 
 def policy_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, *, temperature=1.0,
@@ -983,6 +965,19 @@ def _check_scoring_args(model, prompt_ids, prompt_mask, completion_ids, completi
         _check_ids("topk_ids", topk_ids, V_out)
 
 
+def _float_logits(h, weight, bias, scale=1.0, cap=None):  # (B, c, H) -> (B, c, V) float32
+    """The logits in float32 from the hidden states: z = s (h W^T + b), then c tanh(z / c) if capped."""
+    if weight is None:
+        z = h.float()
+    else:
+        z = torch.nn.functional.linear(h.float(), weight.float(), None if bias is None else bias.float())
+    if scale != 1.0:
+        z = z * scale
+    if cap is not None:
+        z = cap * torch.tanh(z / cap)
+    return z
+
+
 SOFT_CAP_KEYS = ("final_logit_softcapping", "logits_soft_cap")  # Gemma-2/3, RecurrentGemma: z = c tanh(z / c)
 
 
@@ -1022,6 +1017,63 @@ def _logits_after_head(model, kw: dict) -> tuple | None:
     measured = (scale, cap) if float((fitted - own).abs().max()) <= tol else None
     model._dppo_logits_after_head = measured
     return measured
+
+
+def _distinct_rows(prompt_ids: torch.Tensor, attn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, P) prompts -> first (U,): one row of each distinct prompt (ids and mask alike), and of (B,): which of
+    them each row is, so that prompt_ids[first][of] == prompt_ids. A rollout holds each prompt G times."""
+    key = torch.cat([prompt_ids, attn.to(prompt_ids.dtype)], dim=-1)                # (B, 2P)
+    _, of = torch.unique(key, dim=0, return_inverse=True)                           # (B,) in [0, U)
+    rows = torch.arange(len(of), device=of.device)                                  # (B,)
+    first = torch.full((int(of.max()) + 1,), len(of), device=of.device)             # (U,)
+    return first.scatter_reduce(0, of, rows, "amin"), of
+
+
+def _decode_step(model, tok, attn, next_pos, cache, cache_kw, prompt_ids, sampled):
+    """One sampling step's forward: token tok (B,) at positions next_pos (B, 1) against the KV cache -> the logits
+    (B, 1, V) and the cache. A model that returns no cache (RecurrentGemma keeps its state inside) runs its whole
+    prefix, prompt_ids and the sampled tokens (B, t + 1), instead."""
+    if cache is None:
+        prefix = torch.cat([prompt_ids, sampled], dim=-1)                               # (B, P + t + 1)
+        out = model(input_ids=prefix, attention_mask=attn, position_ids=(attn.cumsum(-1) - 1).clamp_min(0),
+                    use_cache=False, logits_to_keep=1)
+    else:
+        out = model(input_ids=tok[:, None], attention_mask=attn, position_ids=next_pos, use_cache=True,
+                    **{cache_kw: cache})
+    return out.logits, getattr(out, cache_kw, None)
+
+
+def _rows_held(cache) -> set:
+    """The batch sizes of all the tensors a KV cache's layers hold: keys, values and any other state they keep."""
+    sizes, todo = set(), [value for layer in cache.layers for value in vars(layer).values()]
+    while todo:
+        x = todo.pop()
+        if torch.is_tensor(x) and x.dim() > 0 and x.numel() > 0:
+            sizes.add(x.shape[0])
+        elif isinstance(x, dict):
+            todo.extend(x.values())
+        elif isinstance(x, (list, tuple)):
+            todo.extend(x)
+    return sizes
+
+
+def _prefill(model, prompt_ids: torch.Tensor, attn: torch.Tensor, cache_kw: str):
+    """The prompts' forward, each distinct prompt once: -> the last position's logits (B, 1, V) and the KV cache of
+    all B rows, expanded from the distinct ones (Cache.batch_select_indices gives row b its prompt's keys and
+    values: what the forward of all B rows computes, to float rounding). Prompts that are all distinct, or a cache
+    that is not all expanded so (Falcon-H1's Mamba states), or none (RecurrentGemma), take the forward of all B rows."""
+    first, of = _distinct_rows(prompt_ids, attn)
+    if len(first) < len(of):
+        out = model(input_ids=prompt_ids[first], attention_mask=attn[first],
+                    position_ids=(attn[first].cumsum(-1) - 1).clamp_min(0), use_cache=True, logits_to_keep=1)
+        cache = getattr(out, cache_kw, None)
+        if hasattr(cache, "batch_select_indices") and hasattr(cache, "layers"):
+            cache.batch_select_indices(of)                                          # (U, ...) -> (B, ...) per layer
+            if _rows_held(cache) == {len(of)}:  # every state expanded (a Mamba layer's conv states are not)
+                return out.logits[of], cache                                        # (B, 1, V)
+    out = model(input_ids=prompt_ids, attention_mask=attn, position_ids=(attn.cumsum(-1) - 1).clamp_min(0),
+                use_cache=True, logits_to_keep=1)
+    return out.logits, getattr(out, cache_kw, None)
 
 
 def _blocks(x: torch.Tensor, size: int = 256, fill: float = 0.0) -> torch.Tensor:

@@ -1246,7 +1246,9 @@ def test_rollout_lag_samples_with_the_weights_of_k_steps_ago(tmp_path, monkeypat
 
 def test_rollout_lag_zero_reproduces_the_code_before_it(warm_model, tmp_path, monkeypatch):
     """k = 0 (the default) logs exactly the metrics of dppo.py as it was before --rollout_lag existed (commit
-    ae7463c, read from git), on every key both write; skipped where the history is not there."""
+    ae7463c, read from git), on every key both write; skipped where the history is not there. The prompts are
+    prefilled for every row, as then: the shared prefill (a later change) rounds log mu differently in the last
+    float32 bits, which moves a mean here by ~1e-8 (its own test bounds it)."""
     old = subprocess.run(["git", "show", "ae7463c:dppo.py"], cwd=ROOT, capture_output=True, text=True)
     if old.returncode:
         pytest.skip("git history with commit ae7463c is not available")
@@ -1256,6 +1258,7 @@ def test_rollout_lag_zero_reproduces_the_code_before_it(warm_model, tmp_path, mo
     monkeypatch.setitem(sys.modules, "dppo_before", before)  # dataclasses look their module up there
     spec.loader.exec_module(before)
     kw = dict(model=warm_model[0], steps=3, eval_every=3, prompts_per_step=8, eval_size=100, quiet=True)
+    monkeypatch.setattr(dppo, "_distinct_rows", lambda p, a: (torch.arange(len(p)), torch.arange(len(p))))
     before.train(before.Config(out_dir=str(tmp_path / "before"), **kw))
     dppo.train(dppo.Config(out_dir=str(tmp_path / "now"), rollout_lag=0, **kw))
     a, b = without_timings(read_metrics(tmp_path / "before")), without_timings(read_metrics(tmp_path / "now"))
@@ -1680,20 +1683,24 @@ def test_training_forward_makes_no_full_vocab_tensor(dtype):
 
 
 def test_benchmark_runs_at_tiny_sizes(capsys):
-    """bench_dppo's four sections run end to end at tiny sizes and print every row."""
+    """bench_dppo's five sections run end to end at tiny sizes and print every row (token counts hand-computed:
+    2 prompts x 3 completions of 4 tokens after 6-token prompts: 2 x 6 + 24 shared, 6 x 6 + 24 every row)."""
     import argparse
     import bench_dppo
     args = argparse.Namespace(capture=[(500, 4, [4, 8])], lengths=[8], batch=4, loss_vocab=500, train_prompts=4,
-                              repeats=1, k=20, budgets=[None, 32], minibatches=[2, 4])
+                              repeats=1, k=20, budgets=[None, 32], minibatches=[2, 4], prompt_once_layers=1,
+                              prompt_once_groups=(2, 3, 4), prompt_once_lengths=[6], prompt_once_repeats=1)
     device = torch.device("cpu")
     bench_dppo.bench_capture(args, device)
     bench_dppo.bench_loss(args, device)
     bench_dppo.bench_train_step(args, device)
     bench_dppo.bench_microbatch_memory(args, device)
+    bench_dppo.bench_prompt_once(args, device)
     out = capsys.readouterr().out
     for row in ["sample_with_topk K=0", "sample_with_topk K=20", "generate(output_logits) + top-K", "| ratio_clip |",
                 "| binary_tv |", "| binary_kl |", "| topk_tv |", "| topk_kl |", "collect_rollout", "update_policy",
-                "| off (one pass) | 4 |", "| 32 | 4 | 64 | 2 |"]:
+                "| off (one pass) | 4 |", "| 32 | 4 | 64 | 2 |", "| 6 | shared | 36 |", "| 6 | every row | 60 |",
+                "| 6 | every row / shared |"]:
         assert row in out, row
 
 
@@ -1860,12 +1867,131 @@ def test_trl_skip_of_the_old_policy_forward_is_scoped(trl_example, warm_model, t
     ({"divergence_type": "topk_tv"}, "divergence_type must be binary_tv or binary_kl"),
     ({"beta": 0.04}, "beta must be 0"),
     ({"off_policy_mask_threshold": 0.5}, "off_policy_mask_threshold"),
+    ({"top_entropy_quantile": 0.8}, "top_entropy_quantile=0.8 is not supported"),
+    ({"entropy_coef": 0.01}, "entropy_coef=0.01 is not supported"),
+    ({"delta": 2.0}, "delta=2.0 is not supported"),
+    ({"ratio_cap": -1.0}, "ratio_cap must be > 0"),
+    ({"use_adaptive_entropy": True}, "use_adaptive_entropy=True turns on GRPOTrainer's entropy bonus"),
+    ({"epsilon_high": 0.28}, "epsilon_high=0.28 are ratio clipping's bounds and have no effect"),
+    ({"epsilon": 0.3}, "epsilon=0.3 / epsilon_high=None are ratio clipping's"),
+    ({"generation_kwargs": {"repetition_penalty": 1.1, "seed": 1}}, r"generation_kwargs \['repetition_penalty'\]"),
+    ({"generation_kwargs": {"min_tokens": 4}}, r"generation_kwargs \['min_tokens'\] may truncate"),
+    ({"use_vllm": True, "vllm_structured_outputs_regex": "[0-9]+"}, "vllm_structured_outputs_regex constrains"),
 ])
 def test_trl_refuses_settings_it_would_ignore(trl_example, kw, match):
     """Each setting the override would silently ignore or get wrong is refused before training."""
     base = dict(output_dir="unused", report_to="none", use_cpu=True, per_device_train_batch_size=8, num_generations=4)
     with pytest.raises(ValueError, match=match):
         trl_example.DPPOTrainer(model="unused", args=trl_example.DPPOConfig(**{**base, **kw}))
+
+
+def test_trl_accepts_generation_kwargs_that_leave_mu_alone(trl_example):
+    """Stopping and seeding do not change the sampled distribution: no problem reported for them."""
+    config = trl_example.DPPOConfig(output_dir="unused", report_to="none", use_cpu=True, per_device_train_batch_size=8,
+                                    num_generations=4, generation_kwargs={"seed": 3, "stop": ["\n"]})
+    assert trl_example.unsupported_settings(config) == []
+
+
+@pytest.mark.parametrize("mode", ["train", "eval"])
+def test_trl_anchors_to_the_engine_when_the_old_policy_differs(trl_example, warm_model, tmp_path, mode):
+    """old_per_token_logps != sampling_per_token_logps: the override must weigh by pi / mu (the engine's mu), which
+    is GRPOTrainer's own (pi / pi_old)(pi_old / mu) with vLLM importance sampling on and never truncated, clip and
+    trust region off. Anchoring to pi_old instead gives another gradient (checked), in training and eval mode."""
+    import trl
+    trainer = make_trl_trainer(trl_example, warm_model[0], tmp_path, loss_type="dapo", delta_low=math.inf,
+                               delta_high=math.inf)
+    model = trainer.model.train() if mode == "train" else trainer.model.eval()
+    trainer.current_gradient_accumulation_steps = 1
+    trainer.epsilon_low = trainer.epsilon_high = math.inf
+    inputs = trl_inputs(trainer, model)
+    g = torch.Generator().manual_seed(5)
+    old = (inputs["sampling_per_token_logps"] + 0.5 * torch.randn(4, 4, generator=g)).clamp_max(0.0)
+    inputs["old_per_token_logps"] = old
+    inputs["importance_sampling_ratio"] = torch.exp(old - inputs["sampling_per_token_logps"])
+    ours = grads_of(trainer._compute_loss(model, inputs), model)
+    trainer.use_vllm, trainer.vllm_importance_sampling_correction = True, True  # for TRL's own loss only
+    theirs = grads_of(trl.GRPOTrainer._compute_loss(trainer, model, inputs), model)
+    scale = max(float(b.abs().max()) for b in theirs)
+    assert scale > 1e-3
+    assert all((a - b).abs().max() <= 1e-5 * max(1.0, scale) for a, b in zip(ours, theirs))
+    trainer.use_vllm, trainer.vllm_importance_sampling_correction = False, False
+    wrong = grads_of(trainer._compute_loss(model, {**inputs, "sampling_per_token_logps": None}), model)
+    assert max(float((a - b).abs().max()) for a, b in zip(wrong, theirs)) > 1e-2 * scale
+    assert trainer._metrics[mode]["dppo/anchor_is_rollout"][0] == 1.0
+    assert len(trainer._metrics[mode]["entropy"]) == 3 and trainer._metrics[mode]["entropy"][0] > 0
+
+
+def test_trl_asymmetric_deltas_mask_what_dppo_loss_masks(trl_example, warm_model, tmp_path):
+    """delta_low != delta_high: the override's masked share and gradient are dppo_loss's with the same deltas on the
+    same tokens (swapping them gives another mask, checked), and its `entropy` is GRPOTrainer's token mean."""
+    trainer = make_trl_trainer(trl_example, warm_model[0], tmp_path, loss_type="bnpo", delta_low=0.02,
+                               delta_high=0.3)
+    model = trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1
+    inputs = trl_inputs(trainer, model)
+    ours = grads_of(trainer._compute_loss(model, inputs), model)
+    full = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+    attn = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
+    logp, entropy, _ = trainer._get_per_token_logps_and_entropies(model, full, attn, 4, compute_entropy=True)
+    mask = (inputs["completion_mask"] * inputs["tool_mask"]).float()
+    shares = {}
+    for low, high in ((0.02, 0.3), (0.3, 0.02)):
+        loss, m = dppo.dppo_loss(logp, inputs["sampling_per_token_logps"], inputs["advantages"], mask,
+                                 delta_low=low, delta_high=high)
+        shares[low] = m["masked_frac"]
+        if low == 0.02:
+            ref = grads_of(loss, model)
+    assert trainer._metrics["train"]["dppo/masked_frac"] == [pytest.approx(shares[0.02])]
+    assert 0 < shares[0.02] != shares[0.3]
+    assert all((a - b).abs().max() <= 1e-6 * max(1.0, float(b.abs().max())) for a, b in zip(ours, ref))
+    want = float((entropy * mask).sum() / mask.sum())
+    assert trainer._metrics["train"]["entropy"] == [pytest.approx(want, rel=1e-5)]
+
+
+def test_trl_rollout_func_without_logprobs_and_a_server_without_processed_logprobs_are_refused(
+        trl_example, warm_model, tmp_path):
+    """A rollout_func that returns no log-probs would leave DPPO without its anchor (it used to fall back to the
+    current policy: no trust region, no notice); a vLLM server whose log-probs are raw ones is not mu."""
+    trainer = make_trl_trainer(trl_example, warm_model[0], tmp_path)
+    model = trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1
+    inputs = {**trl_inputs(trainer, model), "sampling_per_token_logps": None, "old_per_token_logps": None}
+    trainer._compute_loss(model, inputs)  # plain on-policy: the current policy is the anchor, as it should be
+    trainer.rollout_func = lambda prompts, trainer: None
+    with pytest.raises(ValueError, match="rollout_func returned no log-probs"):
+        trainer._compute_loss(model, inputs)
+    assert trl_example.server_logprobs_problem({"model_config": {"logprobs_mode": "processed_logprobs"}}) is None
+    assert "--logprobs-mode raw_logprobs" in trl_example.server_logprobs_problem(
+        {"model_config": {"logprobs_mode": "raw_logprobs"}})
+
+
+def test_trl_weight_push_copies_each_tensor_inside_trls_context(trl_example):
+    """TRL's _iter_named_params yields PEFT's merged weights and unmerges them (in place) once drained: the push
+    must copy each tensor as it is yielded. A generator that restores its tensors after the last yield stands in."""
+    merged = {"a.weight": torch.full((2, 2), 5.0), "b.weight": torch.full((3,), 7.0)}
+
+    def iter_named_params():
+        for name, t in merged.items():
+            yield name, t
+        for t in merged.values():
+            t.zero_()  # "unmerge": the same storage back to the base weights
+
+    pushed = {}
+    engine = SimpleNamespace(_iter_named_params=iter_named_params, llm=SimpleNamespace(
+        collective_rpc=lambda method, kwargs: pushed.update(kwargs["weights_iterator"]),
+        reset_prefix_cache=lambda: None))
+    trl_example._sync_weights_by_reload(engine)
+    assert float(pushed["a.weight"].min()) == 5.0 and float(pushed["b.weight"].min()) == 7.0
+    assert float(merged["a.weight"].max()) == 0.0  # the generator did restore its tensors
+
+
+def test_trl_main_uses_real_model_sizes_for_a_pretrained_model(trl_example, warm_model, tmp_path):
+    """The toy (the embedded character-level model) keeps the toy's lr 1e-4 and batch 64; any other model gets
+    dppo.py's pretrained lr 1e-6, 8 completions a device and gradient checkpointing."""
+    assert trl_example.sizes_for(warm_model[0]) == {"learning_rate": 1e-4, "per_device_train_batch_size": 64}
+    real = save_model_dir(tiny_model("qwen2", V=300), tmp_path / "real")
+    assert trl_example.sizes_for(real) == {"learning_rate": 1e-6, "per_device_train_batch_size": 8,
+                                           "gradient_checkpointing": True}
 
 
 def test_trl_training_steps_run_and_log_the_anchor(trl_example, warm_model, tmp_path):
@@ -2601,3 +2727,45 @@ def test_a_capped_or_scaled_head_keeps_no_logits_for_backward(name):
                                        chunk_bytes=4 * B * V * 4)
     assert logp.requires_grad and len(sizes) > 10
     assert max(sizes) < B * T * V / 2, (max(sizes), B * T * V)
+
+
+@pytest.mark.parametrize("name", ZOO)
+def test_zoo_prompt_prefilled_once_samples_what_every_row_prefilled_does(name, monkeypatch):
+    """The sampler prefills each distinct prompt once and expands its KV cache to the rows that repeat it (here 3
+    prompts x 3 completions, shuffled, uneven left padding): the same tokens as prefilling all 9 rows, for the same
+    generator state, log mu and mu's top-K within float32 rounding, and capture still equals scoring. A cache with
+    states that do not expand (Falcon-H1's Mamba layers) is detected and the prompts prefilled again, all rows."""
+    model = zoo_model(name)
+    ids, mask = left_padded_prompts(ZOO_V, [5, 3, 9])
+    order = torch.tensor([0, 1, 2, 2, 0, 1, 1, 2, 0])
+    ids, mask = ids[order], mask[order]
+    calls = []
+    forward = type(model).forward
+
+    def counted(self, *args, **kw):
+        calls.append(tuple(kw["input_ids"].shape))
+        return forward(self, *args, **kw)
+
+    model.forward = counted.__get__(model)
+
+    def sample():
+        calls.clear()
+        return dppo.sample_with_topk(model, ids, mask, max_new_tokens=8, temperature=0.7, topk=4, eos_token_id=1,
+                                     pad_token_id=0, generator=torch.Generator().manual_seed(0))
+    shared = sample()
+    prefills = [c for c in calls if c[1] == ids.shape[1]]  # (rows, P) forwards
+    monkeypatch.setattr(dppo, "_distinct_rows", lambda p, a: (torch.arange(len(p)), torch.arange(len(p))))
+    every = sample()
+    if name in ("falcon_h1", "recurrent_gemma"):  # Mamba states that do not expand, no cache: all rows again
+        assert prefills == [(3, 9), (9, 9)]
+    else:
+        assert prefills == [(3, 9)]
+    assert calls[0] == (9, 9)
+    assert torch.equal(shared.completion_ids, every.completion_ids)
+    valid = every.completion_mask.bool()
+    assert (shared.logp_mu - every.logp_mu)[valid].abs().max() <= f32_tol(every.logp_mu[valid])
+    assert torch.equal(shared.topk_ids, every.topk_ids)
+    assert (shared.topk_logp_mu - every.topk_logp_mu)[valid].abs().max() <= f32_tol(every.topk_logp_mu[valid])
+    model.forward = forward.__get__(model)
+    logp, _ = dppo.policy_logprobs(model, ids, mask, shared.completion_ids, shared.completion_mask, temperature=0.7)
+    assert (logp - shared.logp_mu)[valid].abs().max() <= f32_tol(shared.logp_mu[valid])
