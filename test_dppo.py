@@ -2769,3 +2769,69 @@ def test_zoo_prompt_prefilled_once_samples_what_every_row_prefilled_does(name, m
     model.forward = forward.__get__(model)
     logp, _ = dppo.policy_logprobs(model, ids, mask, shared.completion_ids, shared.completion_mask, temperature=0.7)
     assert (logp - shared.logp_mu)[valid].abs().max() <= f32_tol(shared.logp_mu[valid])
+
+
+# ------------------------------------------------------------------------------------- the float8 sampler
+def test_float8_rounding_per_slice_by_hand():
+    """e4m3 has 3 mantissa bits: with the row's scale 1 (its max is 448), 3.3 -> 3.25, 0.3 -> 0.3125, 17 -> 16 (the
+    spacing at 16 is 2), 448 -> 448; a row of zeros stays zero; a row scaled by 2^-10 rounds to the same values
+    scaled (one scale per row); rounding twice changes nothing."""
+    x = torch.tensor([[448.0, 3.3, 0.3, 17.0], [0.0, 0.0, 0.0, 0.0], [448.0, 3.3, 0.3, 17.0]])
+    x[2] *= 2.0 ** -10
+    got = dppo._round_to_float8(x, 1)
+    want = torch.tensor([448.0, 3.25, 0.3125, 16.0])
+    assert torch.equal(got[0], want) and torch.equal(got[1], torch.zeros(4))
+    assert torch.equal(got[2], want * 2.0 ** -10)
+    assert torch.equal(dppo._round_to_float8(got, 1), got)
+    col = dppo._round_to_float8(x.T.contiguous(), 0)  # the same per slice along the other dimension
+    assert torch.equal(col.T, got)
+
+
+def test_float8_sampler_rounds_weights_and_activations_and_follows_the_policy(tmp_path, monkeypatch):
+    """--rollout_dtype float8: each rollout's sampler has the policy's current weights rounded to e4m3 per output
+    channel (the LM head and the norms exact), its linear layers see e4m3-rounded inputs, and the run trains; its
+    first-mini-batch mismatch is far above float32's (which is float32 rounding) and finite."""
+    seen, sample = [], dppo.sample_with_topk
+
+    def spy(model, *args, greedy=False, **kw):
+        if not greedy:
+            seen.append({k: v.clone() for k, v in model.state_dict().items()})
+            inputs = []
+            layer = model.model.layers[0].mlp.down_proj
+            hook = layer.register_forward_hook(lambda m, a, out: inputs.append(a[0]))
+            try:
+                return sample(model, *args, greedy=greedy, **kw)
+            finally:
+                hook.remove()
+                seen[-1]["input"] = inputs[0]
+        return sample(model, *args, greedy=greedy, **kw)
+    policies, rl_step = [], dppo.rl_step
+
+    def spy_step(model, *args):
+        policies.append({k: v.clone() for k, v in model.state_dict().items()})
+        return rl_step(model, *args)
+    monkeypatch.setattr(dppo, "sample_with_topk", spy)
+    monkeypatch.setattr(dppo, "rl_step", spy_step)
+    cfg = dppo.Config(out_dir=str(tmp_path), warm_start_steps=200, steps=2, eval_every=2, prompts_per_step=8,
+                      eval_size=50, quiet=True, rollout_dtype="float8")
+    dppo.train(cfg)
+    assert len(seen) == len(policies) == 2
+    for sampled, policy in zip(seen, policies):
+        for name, w in policy.items():
+            got = sampled[name]
+            if name.endswith("proj.weight"):  # every linear layer but the head
+                assert torch.equal(got, dppo._round_to_float8(w, 1)) and not torch.equal(got, w), name
+            else:
+                assert torch.equal(got, w), name
+        x = sampled["input"]  # (B, L, I) what the first layer's down projection was given
+        assert torch.equal(dppo._round_to_float8(x, -1), x)
+    rows = read_metrics(tmp_path)
+    f8 = [r["mismatch_dp_mean"] for r in rows if "mismatch_dp_mean" in r]
+    assert all(math.isfinite(m) and m > 1000 * F32_EPS for m in f8), f8  # float32 sampling: ~2 F32_EPS
+
+
+def test_float8_sampler_is_refused_with_vllm(monkeypatch):
+    """vLLM's FP8 is its own quantisation option: --use_vllm --rollout_dtype float8 is refused before any work."""
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object())  # as if vllm were installed
+    with pytest.raises(dppo.ConfigError, match="--rollout_dtype float8 is the HF sampler's simulated FP8 engine"):
+        dppo.validate_config(dppo.Config(use_vllm=True, rollout_dtype="float8"))
