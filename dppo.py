@@ -711,9 +711,7 @@ class Table:
     def __getitem__(self, key):
         if isinstance(key, str):
             return self.columns[key]
-        if isinstance(key, int):
-            return {name: col[key] for name, col in self.columns.items()}
-        if isinstance(key, slice):
+        if isinstance(key, (int, slice)):  # a row (values), or a run of rows (lists)
             return {name: col[key] for name, col in self.columns.items()}
         return {name: [col[i] for i in key] for name, col in self.columns.items()}
 

@@ -2835,3 +2835,21 @@ def test_float8_sampler_is_refused_with_vllm(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object())  # as if vllm were installed
     with pytest.raises(dppo.ConfigError, match="--rollout_dtype float8 is the HF sampler's simulated FP8 engine"):
         dppo.validate_config(dppo.Config(use_vllm=True, rollout_dtype="float8"))
+
+
+def test_the_embedded_task_needs_no_datasets_and_splits_as_datasets_did():
+    """addition_dataset builds plain Tables; its rows are those datasets' train_test_split(seed=0) gives (the
+    reference, when `datasets` is installed), and a Table answers a column, a row, a slice and a list of rows as a
+    datasets.Dataset does."""
+    datasets = pytest.importorskip("datasets")
+    ours = dppo.addition_dataset(2, 1000)
+    pairs = [(a, b) for a in range(100) for b in range(100)]
+    ref = datasets.Dataset.from_dict({"prompt": [f"{a:02d}+{b:02d}=" for a, b in pairs],
+                                      "answer": [f"{a + b:03d}" for a, b in pairs]}).train_test_split(test_size=1000,
+                                                                                                       seed=0)
+    for split in ("train", "test"):
+        assert isinstance(ours[split], dppo.Table) and len(ours[split]) == len(ref[split])
+        assert ours[split]["prompt"] == ref[split]["prompt"] and ours[split]["answer"] == ref[split]["answer"]
+        for key in (7, slice(3, 9), [5, 1, 9]):
+            got, want = ours[split][key], ref[split][key]
+            assert {k: got[k] for k in want} == want, key
