@@ -12,6 +12,8 @@ run cut short continues from its last checkpoint, saved every 5 steps):
   dppo_tv        DPPO, binary TV, delta 0.15, float32 sampler             seeds 0, 1
   ratio_clip     PPO/GRPO Clip-Higher, eps 0.2 / 0.28, float32 sampler    seeds 0, 1
   dppo_tv_bf16   dppo_tv, rollouts sampled by a bf16 copy of the policy   seed 0
+  dppo_tv_fp8    dppo_tv, rollouts from the simulated FP8 engine          seed 0   (added later, see below)
+  ratio_clip_fp8 ratio_clip, rollouts from the simulated FP8 engine       seed 0   (added later, see below)
   fixed          20 RL steps; 8 prompts x 8 completions; 4 mini-batch updates per rollout; 48 new tokens;
                  temperature 1; lr 1e-5; 2-digit operands; the 200 held-out prompts the task fixes (not the seed),
                  greedy accuracy at steps 0, 5, 10, 15, 20 through dppo.py's own loop; every completion of the 200
@@ -22,6 +24,12 @@ Settings taken from pilots (recorded, not part of the grid):
   - 20 steps, 200 prompts, an evaluation every 5 steps: a 3-step pilot of dppo_tv_bf16 here (2-core CPU) took
     32-34 s a step (6 s of it sampling) and 38 s per evaluation of the 200; accuracy 0.165 -> 0.310. Five runs of
     20 steps and 6 evaluations each: about 75 minutes.
+The FP8 pair (the mismatch study's real-model check) was added to this grid after the five runs above had been
+made and reported, and written here before it ran: `--rollout_dtype float8` (linear weights rounded to e4m3 per
+output channel after every sync, linear inputs per token; experiments/sampler_precision.md measured its
+first-mini-batch |pi - mu| on this model: mean 2.8e-2), every other setting as above, seed 0 beside the float32
+runs of seed 0. Reported for it beyond accuracy: the masked tokens by mu bucket (mu < 0.15 and mu >= 0.15),
+for the run's own rule and for the other rule's counterfactual mask on the same mini-batches.
 What is measured on the 200 held-out completions, before and after: well-formed = the completion ends with a number
 (trailing spaces, '.', '*', ')' aside); correct = its last number is the sum (the reward); sum anywhere = the right
 sum appears among its numbers. So: did RL teach the format, the sums, or both.
@@ -42,14 +50,18 @@ import dppo  # noqa: E402
 
 RUNS = {"dppo_tv": (dict(loss="dppo", divergence="binary_tv"), [0, 1]),
         "ratio_clip": (dict(loss="ratio_clip"), [0, 1]),
-        "dppo_tv_bf16": (dict(loss="dppo", divergence="binary_tv", rollout_dtype="bfloat16"), [0])}
+        "dppo_tv_bf16": (dict(loss="dppo", divergence="binary_tv", rollout_dtype="bfloat16"), [0]),
+        "dppo_tv_fp8": (dict(loss="dppo", divergence="binary_tv", rollout_dtype="float8"), [0]),
+        "ratio_clip_fp8": (dict(loss="ratio_clip", rollout_dtype="float8"), [0])}
 FULL = dict(steps=20, eval_every=5, save_every=5, prompts_per_step=8, group_size=8, num_minibatches=4,
             max_new_tokens=48, lr=1e-5, eval_size=200)
 QUICK = dict(steps=2, eval_every=2, save_every=2, prompts_per_step=2, group_size=2, num_minibatches=2,
              max_new_tokens=8, lr=1e-5, eval_size=4)
 NAMES = {"dppo_tv": ("DPPO, binary TV (δ 0.15)", "tab:blue"),
          "ratio_clip": ("ratio clip (ε 0.2 / 0.28)", "tab:orange"),
-         "dppo_tv_bf16": ("DPPO, binary TV, bf16 sampler", "tab:green")}
+         "dppo_tv_bf16": ("DPPO, binary TV, bf16 sampler", "tab:olive"),  # olive: a bf16 sampler
+         "dppo_tv_fp8": ("DPPO, binary TV, FP8 sampler", "tab:blue"),      # FP8: the method's colour, dash-dot
+         "ratio_clip_fp8": ("ratio clip, FP8 sampler", "tab:orange")}
 SHOWN = 6  # held-out prompts whose completions are shown before and after
 
 
@@ -138,6 +150,23 @@ def tables(base: dict, summaries: list[dict]) -> str:
                      f"{mean([r['masked_frac'] for r in st]):.4f} | {st[0].get('entropy', float('nan')):.2f} → "
                      f"{st[-1].get('entropy', float('nan')):.2f} | {st[0]['completion_len']:.1f} → "
                      f"{st[-1]['completion_len']:.1f} |")
+    lines += ["", "Masked tokens by μ bucket, pooled over the run's steps: its own rule's mask, and (where the run "
+              "logged it) the other rule's counterfactual mask on the same mini-batches (ratio clipping beside DPPO, "
+              "DPPO-TV beside ratio clipping):", "",
+              "| run | own mask: tokens | of them μ < 0.15 | μ ≥ 0.15 | other rule's mask: tokens | of them μ < 0.15 | "
+              "μ ≥ 0.15 |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    for s in summaries:
+        st = _steps(s)
+        own = sum(r["tokens_masked"] for r in st)
+        own_low = sum(r["masked_low_mu"] * r["tokens_masked"] for r in st)
+        row = f"| {s['variant']} seed {s['seed']} | {own:.0f} | {own_low:.0f} | {own - own_low:.0f} |"
+        if all("tokens_rival" in r for r in st):
+            other = sum(r["tokens_rival"] for r in st)
+            other_low = sum(r["rival_masked_low_mu"] * r["tokens_rival"] for r in st)
+            row += f" {other:.0f} | {other_low:.0f} | {other - other_low:.0f} |"
+        else:
+            row += " – | – | – |"
+        lines.append(row)
     lines += ["", f"On the {len(base['samples'])} held-out prompts (greedy): well-formed = ends with a number; "
               "correct = its last number is the sum; sum anywhere = the sum is among its numbers.", "",
               "| model | well-formed | correct | sum anywhere | correct among well-formed | re-evaluated acc |",
@@ -171,7 +200,7 @@ def figure(summaries: list[dict], path: str) -> None:
         for s in summaries:
             name, color = NAMES[s["variant"]]
             pts = [(r["step"], r[key]) for r in s["rows"] if key in r]
-            ls = ["-", "--", ":"][s["seed"] % 3]
+            ls = "-." if s["variant"].endswith("_fp8") else ["-", "--", ":"][s["seed"] % 3]
             ax.plot(*zip(*pts), color=color, ls=ls, marker="o" if key == "acc" else None, ms=3,
                     label=f"{name}, seed {s['seed']}") if pts else None
             if key == "abs_dp_mean":
