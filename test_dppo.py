@@ -1395,6 +1395,53 @@ def test_offpolicy_study_quick_mode_runs_and_refuses_the_grid_without_its_lrs(tm
         offpolicy.main(["--out", str(tmp_path)])
 
 
+def test_mismatch_study_statistics_hand_computed():
+    """The third study's decision machinery against hand-computed values: the 95 % t interval of 12 paired
+    differences (t = 2.201), the four verdicts at their edges, the collapse step (20 points below the best so far,
+    unsmoothed), the final accuracy (last 3 evaluations) and the mismatch growth (steps 31-40 minus 1-10)."""
+    sys.path.insert(0, os.path.join(ROOT, "experiments"))
+    import mismatch
+    d = [0.01 * k for k in range(12)]                    # mean 0.055, sd = 0.01 * sqrt(13) (k = 0..11: var 13)
+    mean, lo, hi = mismatch.interval(d)
+    half = 2.201 * 0.01 * math.sqrt(13) / math.sqrt(12)
+    assert mean == pytest.approx(0.055) and lo == pytest.approx(0.055 - half) and hi == pytest.approx(0.055 + half)
+    assert mismatch.interval([0.1, 0.3])[1:] == pytest.approx((0.2 - 12.706 * math.sqrt(0.02) / math.sqrt(2),
+                                                               0.2 + 12.706 * math.sqrt(0.02) / math.sqrt(2)))
+    assert mismatch.verdict(0.001, 0.05) == "better" and mismatch.verdict(-0.05, -0.001) == "worse"
+    assert mismatch.verdict(-0.02, 0.02) == "no difference" and mismatch.verdict(-0.021, 0.01) == "undecided"
+    accs = {0: 0.5, 5: 0.8, 10: 0.65, 15: 0.59, 20: 0.7, 25: 0.7, 30: 0.62}     # 0.8 - 0.59 = 0.21 at step 15
+    rows = [{"step": k, "acc": a} for k, a in accs.items()]
+    rows += [dict(step=k, reward=0.5, mismatch_dp_mean=1e-3 if k <= 10 else 4e-3, tokens=10, masked_frac=0.1,
+                  tokens_masked=2 if k == 1 else 0, masked_low_mu=1.0 if k == 1 else 0.0,
+                  rival_masked_low_mu=0.25, tokens_rival=4) for k in range(1, 31)]
+    s = mismatch.summarise(rows)
+    assert s["collapse_step"] == 15 and s["final"] == pytest.approx((0.7 + 0.7 + 0.62) / 3)
+    assert s["growth"] == pytest.approx(3e-3)            # last 10 steps 4e-3, first 10 steps 1e-3
+    assert s["own_low_mu"] == 1.0 and s["rival_low_mu"] == pytest.approx(0.25) and s["tokens_rival"] == 120
+    no_fall = mismatch.summarise([dict(r, acc=0.61) if "acc" in r and r["step"] == 15 else r for r in rows])
+    assert no_fall["collapse_step"] is None              # 0.19 below the best: not a collapse
+
+
+def test_mismatch_study_quick_mode_runs_every_method_and_precision(tmp_path, monkeypatch):
+    """experiments/mismatch.py --quick: every method at every sampler precision from two warm starts; the tables
+    (named comparisons, P1-P3) and the figure written; bf16 and float8 samplers differ from the float32 trainer,
+    float32 does not; the grid refuses to run without the pilot's learning rate."""
+    sys.path.insert(0, os.path.join(ROOT, "experiments"))
+    import mismatch
+    summaries = mismatch.main(["--quick", "--out", str(tmp_path)])
+    assert {(s["method"], s["precision"]) for s in summaries} == {(m, p) for m in mismatch.METHODS
+                                                                  for p in mismatch.PRECISIONS}
+    first = {p: max(x for s in summaries if s["precision"] == p for _, x in s["mismatch"]) for p in mismatch.PRECISIONS}
+    assert first["float32"] < F32_DP and first["bfloat16"] > 1e-4 and first["float8"] > 1e-4
+    assert all(s["anchor_dp"] is not None for s in summaries if s["method"] in ("minirl", "dppo_tv_old"))
+    table = (tmp_path / "mismatch.md").read_text()
+    assert "| float8 | dppo_tv − ratio_clip | 2 |" in table and "(P1)" in table and "(P3)" in table
+    assert (tmp_path / "mismatch.png").stat().st_size > 10_000
+    monkeypatch.setattr(mismatch, "LR", None)
+    with pytest.raises(SystemExit, match="LR is not set"):
+        mismatch.main(["--out", str(tmp_path)])
+
+
 def test_stability_study_quick_mode_runs_every_variant(tmp_path):
     """experiments/stability.py --quick: every variant, both mismatch settings; table and figure written."""
     sys.path.insert(0, os.path.join(ROOT, "experiments"))

@@ -194,15 +194,23 @@ def figures(summaries: list[dict], out: str) -> None:
     fig = Figure(figsize=(9, 4))
     ax = fig.subplots()
     for j, v in enumerate(v for v in VARIANTS if v != "pg_is"):
-        pairs = [("low_mu", "tokens_masked", None), ("rival_low_mu", "tokens_rival", "//")]
-        for k, (key, tokens, hatch) in enumerate(pairs):
+        # Each bar in the colour of the rule whose mask it counts: the run's own rule, then the other rule
+        # (ratio clipping beside a DPPO run, DPPO-TV beside ratio clipping), hatched as a counterfactual.
+        other = "dppo_tv" if v == "ratio_clip" else "ratio_clip"
+        pairs = [("low_mu", "tokens_masked", None, v), ("rival_low_mu", "tokens_rival", "//", other)]
+        for k, (key, tokens, hatch, rule) in enumerate(pairs):
             vals = [x or 0.0 for x in _pooled_per_seed(summaries, v, key, tokens)]
-            ax.bar(j * 3 + k, sum(vals) / len(vals), color=NAMES[v][1], hatch=hatch, alpha=0.7)
+            ax.bar(j * 3 + k, sum(vals) / len(vals), color=NAMES[rule][1], hatch=hatch, alpha=0.7)
             ax.scatter([j * 3 + k] * len(vals), vals, color="k", s=10)
+    from matplotlib.patches import Patch
+    rules = [v for v in VARIANTS if v != "pg_is"]
+    handles = [Patch(color=NAMES[v][1], alpha=0.7, label=f"{NAMES[v][0]}'s own mask") for v in rules]
+    handles.append(Patch(facecolor="white", edgecolor="k", hatch="//", label="hatched: the other rule's mask"))
+    ax.legend(handles=handles, fontsize=7, loc="upper left")
     ax.set_xticks([j * 3 + 0.5 for j in range(len(VARIANTS) - 1)],
                   [f"{v}\nown | other rule's" for v in VARIANTS if v != "pg_is"], fontsize=8)
-    ax.set(ylabel="masked tokens with μ(a) < 0.15", title="(a) the same mini-batches: which tokens each rule masks "
-           "(bar: mean over seeds; dots: seeds; hatched: the other rule's mask)")
+    ax.set(ylabel="masked tokens with μ(a) < 0.15", title="(a) the same mini-batches: which tokens each rule masks\n"
+           "(bar: mean over seeds; dots: seeds; hatched: the other rule's mask; colour: the rule that masks)")
     ax.title.set_fontsize(9)
     fig.tight_layout()
     fig.savefig(os.path.join(out, "offpolicy_masks.png"), dpi=100)

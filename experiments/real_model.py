@@ -172,8 +172,8 @@ def tables(base: dict, summaries: list[dict]) -> str:
               "| model | well-formed | correct | sum anywhere | correct among well-formed | re-evaluated acc |",
               "| --- | --- | --- | --- | --- | --- |"]
     for name, s in [("start (all runs)", base)] + [(f"{s['variant']} seed {s['seed']}, end", s) for s in summaries]:
-        lines.append(f"| {name} | {s['well_formed']:.3f} | {s['correct']:.3f} | {s['sum_anywhere']:.3f} | "
-                     f"{s['correct'] / max(s['well_formed'], 1e-9):.3f} | "
+        among = f"{s['correct'] / s['well_formed']:.3f}" if s["well_formed"] else "– (none well-formed)"
+        lines.append(f"| {name} | {s['well_formed']:.3f} | {s['correct']:.3f} | {s['sum_anywhere']:.3f} | {among} | "
                      f"{s['final_acc_reevaluated'] if 'final_acc_reevaluated' in s else s['acc']:.3f} |")
     lines += ["", "The same held-out prompts, greedy, before and after (seed 0 of each variant):", ""]
     firsts = [s for s in summaries if s["seed"] == min(x["seed"] for x in summaries if x["variant"] == s["variant"])]
