@@ -3,6 +3,7 @@ Benchmarks for dppo.py: what top-K capture and the DPPO loss cost, against the c
 
     python bench_dppo.py            # full sizes (B = 64, T = 128, V = 32k; B = 16 at 152k); ~11 min on 2 CPU cores
     python bench_dppo.py --quick    # small sizes, a smoke run; ~1-2 minutes
+    python bench_dppo.py --only prompt_once   # the fifth section alone (sampling and update, full sizes)
 
 Every time is the median of --repeats runs after one warm-up; every comparison is a ratio of two figures
 measured in this same run, with the runs of the compared functions interleaved round by round. Peak memory is the
@@ -340,6 +341,58 @@ def bench_prompt_once(args, device):
           f"20; SmolLM2-135M shapes, {args.prompt_once_layers} layers, {n_params / 1e6:.0f}M parameters; float32 "
           f"matmul {rate / 1e9:.0f} GFLOP/s here)", ["prompt tokens", "prefill", "tokens through the model",
                                                      "time (s)", "FLOP floor (s)", "floor / time"], rows)
+    bench_update_prompt_once(args, device, model, rate)
+
+
+def bench_update_prompt_once(args, device, model, rate):
+    """One update pass (policy_logprobs and dppo_loss, forward and backward) over P x G rows with each distinct
+    prompt's forward run once and its KV cache shared by its G rows, against every row's prompt, at two prompt
+    lengths; each beside its FLOP floor, 6 x (N_body x tokens through the decoder + N_head x tokens through the
+    head) at the float32 matmul rate measured in this run (the head scores completion tokens only)."""
+    head = model.get_output_embeddings().weight.numel()
+    body = sum(p.numel() for p in model.parameters()) - head  # tied: the embedding lookup costs no matmul
+    P_prompts, G, T = args.prompt_once_groups
+    B = P_prompts * G
+    model.train()
+    rows = []
+    for P in args.prompt_once_lengths:
+        g = torch.Generator().manual_seed(1)
+        ids = torch.randint(2, 49_152, (P_prompts, P), generator=g).repeat_interleave(G, dim=0).to(device)
+        mask = torch.ones_like(ids)
+        comp = torch.randint(2, 49_152, (B, T), generator=g).to(device)
+        comp_mask = torch.ones(B, T, device=device)
+        logp_mu = (-3 * torch.rand(B, T, generator=g)).to(device)
+        adv = torch.randn(B, generator=g).to(device)
+
+        def update(share):
+            model.zero_grad(set_to_none=True)
+            logp, _ = dppo.policy_logprobs(model, ids, mask, comp, comp_mask, share_prompts=share)
+            loss, _ = dppo.dppo_loss(logp, logp_mu, adv, comp_mask)
+            loss.backward()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+        times = {True: [], False: []}
+        for r in range(args.update_once_repeats + 1):  # round 0 warms up; the rest are interleaved
+            for share in (True, False):
+                t0 = time.perf_counter()
+                update(share)
+                if r:
+                    times[share].append(time.perf_counter() - t0)
+        shared = dppo._shares_prompts(model, False)
+        for share, prompts in ((True, P_prompts if shared else B), (False, B)):
+            tokens = prompts * P + B * (T - 1 if share and shared else T)  # through the decoder
+            floor = 6 * (body * tokens + head * B * T) / rate
+            sec = statistics.median(times[share])
+            rows.append([P, "shared" if share else "every row", tokens, f"{sec:.2f}", f"{floor:.2f}",
+                         f"{floor / sec:.0%}"])
+        speedup = statistics.median(times[False]) / statistics.median(times[True])
+        rows.append([P, "every row / shared", "", f"{speedup:.2f}x", "", ""])
+    model.zero_grad(set_to_none=True)
+    model.eval()
+    table(f"One update pass with each prompt's forward once ({P_prompts} prompts x {G} completions of {T} tokens, "
+          f"DPPO binary TV; the same model; median of {args.update_once_repeats} after a warm-up)",
+          ["prompt tokens", "prompt forward", "tokens through the decoder", "time (s)", "FLOP floor (s)",
+           "floor / time"], rows)
 
 
 def main():
@@ -347,6 +400,7 @@ def main():
     p.add_argument("--quick", action="store_true", help="small sizes: a smoke run in about a minute")
     p.add_argument("--repeats", type=int, default=5, help="measured repeats per figure (after one warm-up)")
     p.add_argument("--device", default="auto")
+    p.add_argument("--only", choices=["prompt_once"], help="run one section (each prompt once: sampling, update)")
     args = p.parse_args()
     if args.repeats < 1:
         p.error("--repeats must be >= 1")
@@ -363,14 +417,16 @@ def main():
         # the real-model run's shape: 8 prompts x 8 completions of 48 tokens; prompts of its ~45 tokens and 200
         args.prompt_once_layers, args.prompt_once_groups, args.prompt_once_lengths = 30, (8, 8, 48), [45, 200]
     args.prompt_once_repeats = min(args.repeats, 2)
+    args.update_once_repeats = min(args.repeats, 1 if not args.quick else 2)  # a full-size pass is 20-100 s here
     args.k = 20
     print(f"device: {device} | torch {torch.__version__} | threads {torch.get_num_threads()} | "
           f"{'quick' if args.quick else 'full'} sizes | median of {args.repeats} after 1 warm-up")
     t0 = time.time()
-    bench_capture(args, device)
-    bench_loss(args, device)
-    bench_train_step(args, device)
-    bench_microbatch_memory(args, device)
+    if args.only != "prompt_once":
+        bench_capture(args, device)
+        bench_loss(args, device)
+        bench_train_step(args, device)
+        bench_microbatch_memory(args, device)
     bench_prompt_once(args, device)
     print(f"\ntotal benchmark time: {time.time() - t0:.0f} s")
 

@@ -20,6 +20,8 @@ How this file departs from the paper / the usual GRPO trainer:
      DPPO did; the paper sums tokens per sequence and averages sequences.
   3. Advantages are R - mean_group(R), not divided by the group std (the paper's choice); a flag adds the std.
   4. The default task and model are toys built in code so that the run needs no network.
+  5. Mini-batches are whole groups, shuffled by group (TRL's GRPOTrainer shuffles rows), so that the update runs
+     each prompt's forward once for its G completions.
 
 Reading order: Config, the core math, sampling and scoring (the rollout block), one RL step, train(); after the
 HARNESS banner, the plumbing: the task and model, the vLLM adapter, validation, resume, reporting, the CLI.
@@ -98,7 +100,7 @@ class Config:
     # --- optimisation ---
     lr: Optional[float] = _f(None, "AdamW lr; default 1e-4 for the embedded model, 1e-6 for a pretrained --model.")
     num_minibatches: int = _f(4, "Optimiser steps per rollout batch (M); > 1 makes updates off-policy.")
-    max_tokens_per_microbatch: Optional[int] = _f(None, "Micro-batches of at most this many padded tokens a pass.")
+    max_tokens_per_microbatch: Optional[int] = _f(None, "Micro-batches of at most this many tokens computed a pass.")
     gradient_checkpointing: bool = _f(False, "Recompute each layer's activations in backward (less memory).")
     weight_decay: float = _f(0.0, "AdamW weight decay.")
     max_grad_norm: float = _f(1.0, "Gradient clipping norm.")
@@ -479,7 +481,7 @@ class _TemperedLogProbs(torch.autograd.Function):
 
 
 def policy_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, *, temperature=1.0,
-                    topk_ids=None, chunk_bytes=2 ** 28):
+                    topk_ids=None, chunk_bytes=2 ** 28, share_prompts=True):
     """Training-time forward: log pi(a_t) (B, T) with gradient, and log pi on mu's top-K ids (B, T, K) without
     gradient (None when topk_ids is None), tempered and positioned as sampled. Head and log-softmax in float32 on the
     hidden states, chunk by chunk, with what the model does to its logits after the head (a scale, a soft cap: measured
@@ -491,14 +493,11 @@ def policy_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_m
     kw = dict(input_ids=ids, attention_mask=attn, position_ids=(attn.cumsum(-1) - 1).clamp_min(0), use_cache=False)
     head = model.get_output_embeddings()                                       # weight (V, H)
     after_head = _logits_after_head(model, kw)                                 # (scale, cap), or None
-    if after_head is None:
-        # the logits at the positions that predict a_t, as the model computes them
-        h = model(**kw, logits_to_keep=torch.arange(P - 1, P + T - 1)).logits   # (B, T, V)
-        weight, bias, scale, cap = None, None, 1.0, None
-    else:
-        h = model.get_decoder()(**kw).last_hidden_state[:, P - 1:-1]           # (B, T, H)
-        weight, bias = head.weight, head.bias
-        scale, cap = after_head
+    own_logits = after_head is None  # no head form fits: the model's own logits, as it computes them
+    # the states that predict a_t, (B, T, H) or (B, T, V); a prompt's forward once for its rows where it can
+    h = _scored_states(model, kw, P, own_logits, share_prompts)
+    weight, bias = (None, None) if own_logits else (head.weight, head.bias)
+    scale, cap = (1.0, None) if own_logits else after_head
     targets = completion_ids[..., None]                                        # (B, T, 1)
     if topk_ids is not None:
         targets = torch.cat([targets, topk_ids], dim=-1)                       # (B, T, 1 + K)
@@ -562,21 +561,22 @@ def rows_loss(cfg: Config, anchor: Rollout, adv, i, logp, topk_logp):
 
 
 def update_policy(model, opt, batch: Batch, cfg: Config, gen) -> dict:
-    """M optimiser steps on shuffled mini-batches, all against the same captured mu, each the token mean over the
-    mini-batch however it is split into micro-batches (gradients accumulate); batch-averaged metrics."""
-    ro, adv, budget = batch.rollout, batch.advantages, cfg.max_tokens_per_microbatch
+    """M optimiser steps on shuffled mini-batches of whole groups (a prompt's forward then runs once for its G rows),
+    all against the same mu, each the token mean over the mini-batch however it is split into micro-batches."""
+    ro, adv, budget, G = batch.rollout, batch.advantages, cfg.max_tokens_per_microbatch, cfg.group_size
     p_len, c_len = batch.prompt_mask.sum(-1), ro.completion_mask.sum(-1)    # (B,) each
     scoring_mode(model)  # (harness) dropout off, as when mu sampled; checkpointing layers still recompute
+    prompt_of = prompts_computed_once(model, batch)  # (harness) (B,) which prompt each row repeats, or None
     anchor, extra = ro, {}
     if cfg.anchor == "recomputed":  # the baseline the paper warns against: w and D from a re-scored "old policy"
         anchor, extra = recomputed_anchor(model, batch, cfg)  # (harness) pi_old before any update, |pi_old - mu|
     parts = []
-    for idx in torch.randperm(len(adv), generator=gen).chunk(cfg.num_minibatches):      # M mini-batches
-        idx = idx.to(adv.device)
+    for groups in torch.randperm(len(adv) // G, generator=gen).chunk(cfg.num_minibatches):  # M mini-batches
+        idx = (groups[:, None] * G + torch.arange(G)).flatten().to(adv.device)  # (n,) their rows (prompt-major)
         n = float(ro.completion_mask[idx].sum().clamp_min(1))                           # the mini-batch's tokens
         micro, loss_sum = [], 0.0
         opt.zero_grad(set_to_none=True)
-        for i in microbatches(idx, p_len, c_len, budget):
+        for i in microbatches(idx, p_len, c_len, budget, prompt_of):
             logp, topk_logp = score_rows(model, batch, i, cfg)                          # (b, T'), (b, T', K)
             loss, m = rows_loss(cfg, anchor, adv, i, logp, topk_logp)
             m.update(rival_rule_metrics(cfg, anchor, adv, i, logp.detach()))  # (harness) the other rule's mask
@@ -1074,6 +1074,126 @@ def _prefill(model, prompt_ids: torch.Tensor, attn: torch.Tensor, cache_kw: str)
     return out.logits, getattr(out, cache_kw, None)
 
 
+def _states_at(model, kw: dict, positions: torch.Tensor, own_logits: bool):
+    """One forward of rows kw -> its states at `positions` (n,): the model's own logits (B, n, V) when own_logits,
+    else its decoder's hidden states (B, n, H); and the forward's output (which holds the KV cache, if made)."""
+    if own_logits:
+        out = model(**kw, logits_to_keep=positions)
+        return out.logits, out                                                      # (B, n, V)
+    out = model.get_decoder()(**kw)
+    return out.last_hidden_state[:, positions], out                                 # (B, n, H)
+
+
+@contextlib.contextmanager
+def _attributes(modules: list, **values):
+    """Sets these attributes on each module for the duration, then restores what each had."""
+    saved = [{k: m.__dict__[k] for k in values if k in m.__dict__} for m in modules]
+    for m in modules:
+        for k, v in values.items():
+            setattr(m, k, v)
+    try:
+        yield
+    finally:
+        for m, old in zip(modules, saved):
+            for k in values:
+                if k in old:
+                    setattr(m, k, old[k])
+                else:
+                    delattr(m, k)
+
+
+def _checkpointed_layers(model) -> list:
+    """The layers that transformers recomputes in backward and that can keep a read-only KV cache while doing so
+    (GradientCheckpointingLayer with `_can_checkpoint_with_cache`, a class attribute since transformers 5.24)."""
+    return [m for m in model.modules()
+            if getattr(m, "gradient_checkpointing", False) is True and hasattr(type(m), "_can_checkpoint_with_cache")]
+
+
+def _read_only(layer, rows: torch.Tensor) -> None:
+    """A KV cache layer holding U prompts -> one holding the B rows' prompts (rows (B,) in [0, U)), whose `update`
+    returns the prompt's keys and values followed by the new ones and stores nothing: each forward through it, and a
+    checkpointed layer's recompute in backward, sees the prompt alone in the cache."""
+    layer.keys, layer.values = layer.keys[rows], layer.values[rows]                # (B, heads, P, d) each
+
+    def update(key, value, *args, **kwargs):                                        # key, value (B, heads, T, d)
+        return torch.cat([layer.keys, key], dim=-2), torch.cat([layer.values, value], dim=-2)
+
+    layer.update = update
+
+
+def _shared_prompt_forward(model, kw: dict, P: int, own_logits: bool, first, of):
+    """The forward of rows kw (prompt (P, left-padded) + completion) with each distinct prompt run once: -> the states
+    that predict a_1..a_T, (B, T, H) or (B, T, V), as _states_at(kw, P-1 .. P+T-2) gives them; None when the model's
+    cache is not plain keys and values in every layer (sliding windows, Mamba or recurrent states). first (U,): a row
+    of each distinct prompt; of (B,): which of them each row is (_distinct_rows).
+    1. The U prompts' forward, with a KV cache: their keys and values at every layer, and the state at position P-1
+       (which predicts a_1). It is not checkpointed (it must keep its cache), so its activations for U x P tokens stay
+       for backward: 1/G of what every row's prompt would keep.
+    2. The cache indexed to the B rows (row b gets its prompt's keys and values) and made read-only (_read_only).
+    3. The completions' forward, a_1..a_{T-1} at their positions, attending to that cache and to themselves.
+    Why the gradient is the same: row b's completion attends to the keys and values its own prompt's forward would
+    compute (the same function of the same tokens and positions); the indexing in 2 sends each row's gradient back to
+    its prompt, where the rows' gradients add up as in G separate forwards, so the two agree to float rounding."""
+    ids, attn, pos = kw["input_ids"], kw["attention_mask"], kw["position_ids"]      # (B, P + T) each
+    cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    checkpointing = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False) is True]
+    prompts = dict(input_ids=ids[first, :P], attention_mask=attn[first, :P], position_ids=pos[first, :P],
+                   use_cache=True)
+    with _attributes(checkpointing, gradient_checkpointing=False):  # (else the model and its layers drop the cache)
+        last, out = _states_at(model, prompts, torch.tensor([P - 1]), own_logits)    # (U, 1, H or V)
+    cache = getattr(out, cache_kw, None)
+    layers = getattr(cache, "layers", None)
+    if not layers or any(type(layer).__name__ != "DynamicLayer" for layer in layers):
+        return None
+    for layer in layers:
+        _read_only(layer, of)
+    if ids.shape[1] == P + 1:  # one completion token: its state is the prompt's last
+        return last[of]                                                             # (B, 1, H or V)
+    rows = {"input_ids": ids[:, P:-1], "attention_mask": attn[:, :-1], "position_ids": pos[:, P:-1],
+            "use_cache": False, cache_kw: cache}  # a_1..a_{T-1} (B, T - 1), reading the cache, not adding to it
+    with _attributes(_checkpointed_layers(model), _can_checkpoint_with_cache=True):  # recomputing reads the same
+        rest, _ = _states_at(model, rows, torch.arange(ids.shape[1] - P - 1), own_logits)  # (B, T - 1, H or V)
+    return torch.cat([last[of], rest], dim=1)                                       # (B, T, H or V)
+
+
+def _shares_prompts(model, own_logits: bool) -> bool:
+    """Whether the shared-prompt forward gives what the full one does for this model as it is now (layers recomputed
+    in backward or not), measured once for each on a probe: one 3-token prompt, two 3-token completions. Sliding
+    windows, Mamba and recurrent states fail it by their cache; a model that drops the cache under checkpointing in
+    its own loop (GPT-2 does) fails it by its numbers or an error."""
+    checkpointing = any(getattr(m, "gradient_checkpointing", False) is True and m.training for m in model.modules())
+    known = model.__dict__.setdefault("_dppo_shares_prompts", {})  # by whether layers recompute (they are training)
+    if checkpointing not in known:
+        device = model.get_input_embeddings().weight.device
+        V = model.get_input_embeddings().weight.shape[0]
+        ids = torch.tensor([[3, 4, 5, 6, 7, 8], [3, 4, 5, 8, 7, 6]], device=device) % V  # (2, 6)
+        attn = torch.ones_like(ids)
+        kw = dict(input_ids=ids, attention_mask=attn, position_ids=attn.cumsum(-1) - 1, use_cache=False)
+        rows = torch.tensor([0, 1], device=device)
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.enable_grad():
+            try:
+                shared = _shared_prompt_forward(model, kw, 3, own_logits, rows[:1], rows * 0)  # (2, 3, H or V)
+            except (RuntimeError, ValueError, TypeError, AttributeError, IndexError):
+                shared = None
+            full = _states_at(model, kw, torch.arange(2, 5), own_logits)[0]                   # (2, 3, H or V)
+        scale = float(full.detach().abs().max())
+        known[checkpointing] = shared is not None and float((shared - full).detach().abs().max()) <= 0.01 * scale
+    return known[checkpointing]
+
+
+def _scored_states(model, kw: dict, P: int, own_logits: bool, share: bool):
+    """policy_logprobs' forward of rows kw -> the states that predict a_1..a_T, (B, T, H) or (B, T, V): with each
+    distinct prompt run once (_shared_prompt_forward) when `share`, a prompt repeats and the model can
+    (_shares_prompts); else one forward of every row's prompt and completion."""
+    first, of = _distinct_rows(kw["input_ids"][:, :P], kw["attention_mask"][:, :P])  # (U,), (B,)
+    if share and len(first) < len(of) and _shares_prompts(model, own_logits):
+        h = _shared_prompt_forward(model, kw, P, own_logits, first, of)
+        if h is not None:
+            return h
+    T = kw["input_ids"].shape[1] - P
+    return _states_at(model, kw, torch.arange(P - 1, P + T - 1), own_logits)[0]
+
+
 def _blocks(x: torch.Tensor, size: int = 256, fill: float = 0.0) -> torch.Tensor:
     """(B, V) -> (B, V/size, size), padding V with `fill` up to a multiple of size (vocabularies usually are one)."""
     pad = -x.shape[-1] % size
@@ -1144,20 +1264,45 @@ def scoring_mode(model) -> None:
                     setattr(m, name, 0.0)
 
 
-def microbatches(idx, prompt_len, completion_len, budget: Optional[int]) -> list:
-    """Rows idx -> groups, shortest first, each padded to n x (longest prompt + longest completion) <= budget
-    tokens (one row at least); budget None: one group. prompt_len, completion_len (B,)."""
+def microbatches(idx, prompt_len, completion_len, budget: Optional[int], prompt_of=None) -> list:
+    """Rows idx -> micro-batches, shortest first, each computing at most `budget` tokens (one row at least); budget
+    None: one. n rows padded to their longest prompt and completion compute n x (prompt + completion) tokens; where
+    each distinct prompt runs once (prompt_of (B,): which prompt each row repeats), u x prompt + n x completion for
+    their u prompts, and a prompt's rows are then kept together. prompt_len, completion_len (B,)."""
     if not budget:
         return [idx]
-    idx = idx[(prompt_len + completion_len)[idx].argsort(stable=True)]
+    idx = idx[(prompt_len + completion_len)[idx].argsort(stable=True)]          # shortest first
+    if prompt_of is not None:
+        of, total = prompt_of[idx], (prompt_len + completion_len)[idx]          # (n,) each
+        longest = torch.zeros(int(prompt_of.max()) + 1, dtype=total.dtype, device=of.device)
+        longest = longest.scatter_reduce(0, of, total, "amax")                  # (U,) each prompt's longest row
+        idx = idx[of.argsort(stable=True)]                                      # each prompt's rows together,
+        idx = idx[longest[prompt_of[idx]].argsort(stable=True)]                 # prompts by their longest row
     groups, start = [], 0
     for end in range(1, len(idx)):
-        rows = idx[start:end + 1]
-        if len(rows) * int(prompt_len[rows].max() + completion_len[rows].max()) > budget:
+        if computed_tokens(idx[start:end + 1], prompt_len, completion_len, prompt_of) > budget:
             groups.append(idx[start:end])
             start = end
     groups.append(idx[start:])
     return groups
+
+
+def computed_tokens(rows, prompt_len, completion_len, prompt_of=None) -> int:
+    """The tokens policy_logprobs computes for these rows: each padded to the longest prompt and completion, with
+    each distinct prompt once where prompt_of (B,) says which prompt each row repeats."""
+    prompt, completion = int(prompt_len[rows].max()), int(completion_len[rows].max())
+    prompts = len(rows) if prompt_of is None else len(prompt_of[rows].unique())
+    return prompts * prompt + len(rows) * completion
+
+
+def prompts_computed_once(model, batch: Batch):
+    """(B,) which distinct prompt each row of the batch repeats, when policy_logprobs runs each prompt's forward once
+    for this model (_shares_prompts); None when it runs every row's."""
+    ids, mask = batch.prompt_ids[:1], batch.prompt_mask[:1].long()              # (1, P) one row measures the head
+    row = dict(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp_min(0), use_cache=False)
+    if not _shares_prompts(model, _logits_after_head(model, row) is None):
+        return None
+    return _distinct_rows(batch.prompt_ids, batch.prompt_mask.long())[1]         # (B,)
 
 
 @torch.no_grad()  # pi_old is a constant of the loss, like mu
@@ -1167,7 +1312,8 @@ def recomputed_anchor(model, batch: Batch, cfg: Config) -> tuple[Rollout, dict]:
     ro, budget = batch.rollout, cfg.max_tokens_per_microbatch
     p_len, c_len = batch.prompt_mask.sum(-1), ro.completion_mask.sum(-1)    # (B,) each
     rows = torch.arange(len(batch.advantages), device=batch.advantages.device)
-    split = [i for c in rows.chunk(cfg.num_minibatches) for i in microbatches(c, p_len, c_len, budget)]  # as updated
+    prompt_of = prompts_computed_once(model, batch)                         # (B,) or None
+    split = [i for c in rows.chunk(cfg.num_minibatches) for i in microbatches(c, p_len, c_len, budget, prompt_of)]
     anchor = copy.deepcopy(ro)
     for i in split:
         logp, topk_logp = score_rows(model, batch, i, cfg)   # (b, T'), (b, T', K) or None
@@ -1473,9 +1619,9 @@ def _flags_that_would_do_nothing(cfg: Config) -> list[str]:
 def _setting_errors(cfg: Config) -> list[str]:
     """Flags that contradict each other, the task, the file system or the installed extras."""
     errors = []
-    batch = cfg.prompts_per_step * cfg.group_size
-    if cfg.num_minibatches >= 1 and batch % cfg.num_minibatches:
-        errors.append(f"a batch of {batch} completions is not divisible into num_minibatches = {cfg.num_minibatches}")
+    if cfg.num_minibatches >= 1 and cfg.prompts_per_step % cfg.num_minibatches:  # mini-batches of whole groups
+        errors.append(f"prompts_per_step = {cfg.prompts_per_step} groups are not divisible into num_minibatches = "
+                      f"{cfg.num_minibatches} mini-batches of whole groups")
     if cfg.topk < 1 and cfg.divergence.startswith("topk"):
         errors.append(f"{cfg.divergence} needs topk >= 1, got {cfg.topk}")
     if cfg.task == "gsm8k" and not cfg.model:

@@ -805,36 +805,56 @@ def test_microbatches_give_the_unsplit_gradient(loss, div, anchor):
     assert all(len(g) == 1 or len(g) * int(p_len[g].max() + c_len[g].max()) <= 40 for g in groups)
 
 
-def test_gradient_checkpointing_recomputes_layers_with_dropout_off():
-    """--gradient_checkpointing: each layer really runs again in backward (its MLP's first linear layer is called
-    twice per pass) and autograd keeps far fewer activations, while dropout stays off (a GPT-2 with p = 0.5 still
-    scores pi == mu on the first mini-batch)."""
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_gradient_checkpointing_recomputes_layers_with_dropout_off(name):
+    """--gradient_checkpointing: layers really run again in backward (the first MLP linear layer is called once more)
+    and autograd keeps fewer activations, while dropout stays off (p = 0.5 still scores pi == mu on the first
+    mini-batch). Llama runs each prompt's forward once, not recomputed (it keeps its cache), and recomputes the
+    completions' forward; GPT-2 drops a cache under checkpointing (detected), so it scores every row's prompt and
+    completion in one forward and recomputes that."""
     import transformers as tf
     tok = dppo.build_char_tokenizer()
     saved = {}
     for checkpointing in (False, True):
         torch.manual_seed(0)
-        model = tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=len(tok), n_embd=32, n_layer=2, n_head=2, n_positions=32,
-                                                 eos_token_id=1, pad_token_id=0, resid_pdrop=0.5, attn_pdrop=0.5))
+        if name == "gpt2":
+            model = tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=len(tok), n_embd=32, n_layer=2, n_head=2,
+                                                     n_positions=32, eos_token_id=1, pad_token_id=0, resid_pdrop=0.5,
+                                                     attn_pdrop=0.5))
+            first_linear = model.transformer.h[0].mlp.c_fc
+        else:
+            model = tf.LlamaForCausalLM(tf.LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
+                                                       num_hidden_layers=2, num_attention_heads=2,
+                                                       num_key_value_heads=2, max_position_embeddings=32,
+                                                       attention_dropout=0.5, eos_token_id=1, pad_token_id=0,
+                                                       bos_token_id=2))
+            first_linear = model.model.layers[0].mlp.gate_proj
         if checkpointing:
             model.gradient_checkpointing_enable({"use_reentrant": False})
         calls = []
         def record(*_, calls=calls):  # bound now: the hook belongs to this iteration's model
             calls.append(torch.is_grad_enabled())
-        model.transformer.h[0].mlp.c_fc.register_forward_hook(record)
+        first_linear.register_forward_hook(record)
         cfg = dppo.with_model_defaults(dppo.Config(prompts_per_step=4, group_size=4, num_minibatches=1))
         ds, reward_fn, _ = dppo.load_task(cfg)
         gen = dppo.seed_everything(0)
         batch = dppo.collect_rollout(model, tok, ds["train"][:4], reward_fn, cfg, gen, gen, model)
+        dppo.scoring_mode(model)
+        shared = dppo.prompts_computed_once(model, batch) is not None  # measured once, before counting
         calls.clear()
         packed = []
         with torch.autograd.graph.saved_tensors_hooks(lambda t, packed=packed: packed.append(1) or t, lambda t: t):
             m = dppo.update_policy(model, torch.optim.AdamW(model.parameters(), lr=1e-5), batch, cfg, gen)
-        graded = [c for c in calls if c]  # (the no-grad forward of one row that measures the head is not counted)
-        assert len(graded) == (2 if checkpointing else 1), calls  # forward, and the recompute in backward
+        graded = [c for c in calls if c]
+        assert shared == (name == "llama" or not checkpointing)
+        forwards = 2 if shared else 1  # the prompts' and the completions', or one of every row
+        assert len(graded) == forwards + checkpointing, calls  # and the recompute in backward
         assert m["mismatch_dp_max"] < F32_DP
         saved[checkpointing] = len(packed)
-    assert saved[True] < saved[False] / 2, saved
+    if name == "gpt2":
+        assert saved[True] < saved[False] / 2, saved
+    else:  # the prompts' forward keeps its activations
+        assert saved[True] < saved[False], saved
 
 
 def test_bf16_autocast_scores_with_a_float32_head():
@@ -1247,8 +1267,9 @@ def test_rollout_lag_samples_with_the_weights_of_k_steps_ago(tmp_path, monkeypat
 def test_rollout_lag_zero_reproduces_the_code_before_it(warm_model, tmp_path, monkeypatch):
     """k = 0 (the default) logs exactly the metrics of dppo.py as it was before --rollout_lag existed (commit
     ae7463c, read from git), on every key both write; skipped where the history is not there. The prompts are
-    prefilled for every row, as then: the shared prefill (a later change) rounds log mu differently in the last
-    float32 bits, which moves a mean here by ~1e-8 (its own test bounds it)."""
+    prefilled and scored for every row, as then: the shared prompt forward (a later change) rounds log mu and log pi
+    differently in the last float32 bits, which moves a mean here by ~1e-8 (its own tests bound it); and the old
+    code's row shuffle is given the whole-group order that a later change draws (the same generator calls)."""
     old = subprocess.run(["git", "show", "ae7463c:dppo.py"], cwd=ROOT, capture_output=True, text=True)
     if old.returncode:
         pytest.skip("git history with commit ae7463c is not available")
@@ -1259,6 +1280,16 @@ def test_rollout_lag_zero_reproduces_the_code_before_it(warm_model, tmp_path, mo
     spec.loader.exec_module(before)
     kw = dict(model=warm_model[0], steps=3, eval_every=3, prompts_per_step=8, eval_size=100, quiet=True)
     monkeypatch.setattr(dppo, "_distinct_rows", lambda p, a: (torch.arange(len(p)), torch.arange(len(p))))
+    monkeypatch.setattr(dppo, "_shares_prompts", lambda model, own_logits: False)
+    G = dppo.Config().group_size
+
+    class GroupShuffle:  # the old module's torch, whose randperm (its update's only call) shuffles whole groups
+        def __getattr__(self, name):
+            return getattr(torch, name)
+
+        def randperm(self, n, generator):
+            return (torch.randperm(n // G, generator=generator)[:, None] * G + torch.arange(G)).flatten()
+    monkeypatch.setattr(before, "torch", GroupShuffle())
     before.train(before.Config(out_dir=str(tmp_path / "before"), **kw))
     dppo.train(dppo.Config(out_dir=str(tmp_path / "now"), rollout_lag=0, **kw))
     a, b = without_timings(read_metrics(tmp_path / "before")), without_timings(read_metrics(tmp_path / "now"))
@@ -2816,6 +2847,166 @@ def test_zoo_prompt_prefilled_once_samples_what_every_row_prefilled_does(name, m
     model.forward = forward.__get__(model)
     logp, _ = dppo.policy_logprobs(model, ids, mask, shared.completion_ids, shared.completion_mask, temperature=0.7)
     assert (logp - shared.logp_mu)[valid].abs().max() <= f32_tol(shared.logp_mu[valid])
+
+
+# ------------------------------------------------------------------------ each prompt once in the update
+# Sliding windows, Mamba states, a recurrent state: caches that are not plain keys and values, scored row by row.
+SHARES_PROMPTS = tuple(n for n in ZOO if n not in ("mistral", "gemma2", "gemma3", "falcon_h1", "recurrent_gemma"))
+
+
+def grouped_rows(model, seed=0):
+    """3 prompts x 3 completions, shuffled (a prompt's rows not adjacent), uneven left padding, a T = 0.7 sample."""
+    ids, mask = left_padded_prompts(ZOO_V, [5, 3, 9], seed)
+    order = torch.tensor([0, 1, 2, 2, 0, 1, 1, 2, 0])
+    ids, mask = ids[order], mask[order]
+    ro = dppo.sample_with_topk(model, ids, mask, max_new_tokens=8, temperature=0.7, topk=4, eos_token_id=1,
+                               pad_token_id=0, generator=torch.Generator().manual_seed(seed))
+    return ids, mask, ro
+
+
+def decoder_rows(model) -> list:
+    """Records (rows, tokens) of every forward of the model's decoder (a hook; what policy_logprobs runs)."""
+    calls = []
+    model.get_decoder().register_forward_pre_hook(
+        lambda m, args, kw: calls.append(tuple((kw.get("input_ids") if "input_ids" in kw else args[0]).shape)),
+        with_kwargs=True)
+    return calls
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+@pytest.mark.parametrize("name", ZOO)
+def test_zoo_prompt_once_in_scoring_gives_the_float64_gradient(name, checkpointing):
+    """policy_logprobs with 3 prompts x 3 completions (shuffled, uneven padding) runs each prompt's forward once
+    (3 rows) and the completions against its shared KV cache (9 rows), where the family's cache is plain keys and
+    values; with --gradient_checkpointing too, except GPT-2 (its own loop drops the cache: detected, every row
+    scored). Either way log pi and the gradient of dppo_loss equal float64 autograd through the model's own full
+    forward, for every parameter, as without sharing."""
+    model = zoo_model(name)
+    ids, mask, ro = grouped_rows(model)
+    if checkpointing:
+        model.gradient_checkpointing_enable({"use_reentrant": False})
+        dppo.scoring_mode(model)
+    calls = decoder_rows(model)
+
+    def score():
+        calls.clear()
+        return dppo.policy_logprobs(model, ids, mask, ro.completion_ids, ro.completion_mask, temperature=0.7,
+                                    chunk_bytes=3 * 9 * ZOO_V * 4)[0]
+    score()  # the first call also measures the head and probes the sharing, once per model
+    logp = score()
+    T = ro.completion_ids.shape[1]
+    if name in SHARES_PROMPTS and not (checkpointing and name == "gpt2"):
+        assert calls == [(3, 9), (9, T - 1)], calls
+    else:
+        assert calls == [(9, 9 + T)], calls
+    ref = own_logprobs(model, ids, mask, ro)
+    assert (logp.double() - ref)[ro.completion_mask.bool()].abs().max() <= f32_tol(ref)
+    got, want = params_grads(zoo_loss(logp, ro)[0], model), params_grads(zoo_loss(ref, ro)[0], model)
+    scale = max(float(w.abs().max()) for w in want)
+    assert scale > 1e-3
+    for a, b in zip(got, want):
+        assert (a.double() - b).abs().max() <= 1e-4 * scale
+
+
+def grouped_batch(V, prompts=4, G=3, P=6, T=10, K=0, seed=0):
+    """A Batch of `prompts` left-padded prompts of 2..P tokens, each G times (prompt-major, as collect_rollout makes
+    it), completions of 1..T tokens, random mu (and top-K), advantages."""
+    g = torch.Generator().manual_seed(seed)
+    ids, mask = left_padded_prompts(V, torch.randint(2, P + 1, (prompts,), generator=g).tolist(), seed)
+    ids, mask = ids.repeat_interleave(G, 0), mask.repeat_interleave(G, 0)      # (B, P)
+    B = prompts * G
+    lengths = torch.randint(1, T + 1, (B,), generator=g)
+    comp_mask = (torch.arange(T) < lengths[:, None]).float()                   # (B, T)
+    comp = torch.randint(3, V, (B, T), generator=g) * comp_mask.long()
+    topk = torch.randint(3, V, (B, T, K), generator=g) if K else None
+    ro = dppo.Rollout(comp, comp_mask, -2 * torch.rand(B, T, generator=g), topk,
+                      -3 * torch.rand(B, T, K, generator=g) if K else None)
+    return dppo.Batch(ids, mask, ro, torch.zeros(B), torch.randn(B, generator=g))
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+@pytest.mark.parametrize("loss,div,anchor", [("dppo", "binary_tv", "rollout"), ("dppo", "topk_tv", "rollout"),
+                                              ("dppo", "binary_kl", "recomputed"),
+                                              ("ratio_clip", "binary_tv", "rollout")])
+def test_update_with_each_prompt_once_gets_every_rows_gradients(loss, div, anchor, checkpointing, monkeypatch):
+    """update_policy with each prompt's forward once (4 prompts x 3 completions, 2 mini-batches of whole groups)
+    takes the optimiser steps that scoring every row's prompt takes, unsplit and in micro-batches (a budget of 40
+    tokens computed, and of 1: one row a pass), with and without checkpointing, for DPPO (binary and top-K), the
+    recomputed anchor and ratio clip: the same gradients to float32 rounding, the same loss and masked share."""
+    V = 50
+    batch = grouped_batch(V, K=4 if div.startswith("topk") else 0)
+    runs, rows = {}, {}
+    for shared in (True, False):
+        for budget in (None, 40, 1):
+            model = tiny_model("llama", V=V)
+            if checkpointing:
+                model.gradient_checkpointing_enable({"use_reentrant": False})
+            if not shared:
+                model._dppo_shares_prompts = {checkpointing: False}  # every row's prompt: the reference
+            calls = decoder_rows(model)
+            cfg = dppo.Config(loss=loss, divergence=div, anchor=anchor, num_minibatches=2, group_size=3,
+                              max_tokens_per_microbatch=budget, delta_low=0.01, delta_high=0.01)
+            opt = RecordingSGD(model.parameters())
+            m = dppo.update_policy(model, opt, batch, cfg, torch.Generator().manual_seed(1))
+            runs[shared, budget] = (opt.grads, m)
+            rows[shared, budget] = sum(c[0] * c[1] for c in calls)  # tokens through the decoder
+    ref_grads, ref_m = runs[False, None]
+    for key, (grads, m) in runs.items():
+        for step_ref, step in zip(ref_grads, grads):
+            for ref, got in zip(step_ref, step):
+                assert (got - ref).abs().max() <= 1e-5 * max(1.0, float(ref.abs().max())), key
+        assert m["loss"] == pytest.approx(ref_m["loss"], abs=1e-6)
+        assert m["masked_frac"] == pytest.approx(ref_m["masked_frac"], abs=1e-6)
+    assert rows[True, None] < rows[False, None]  # sharing computes fewer tokens
+
+
+def test_mini_batches_are_whole_groups_shuffled(monkeypatch):
+    """The M mini-batches of one update partition the batch into whole groups (a prompt's G rows together), in an
+    order drawn from the generator; two seeds draw different orders."""
+    V, G = 50, 3
+    batch = grouped_batch(V, prompts=6, G=G)
+    seen, score = [], dppo.score_rows
+
+    def spy(model, batch, i, cfg):
+        seen.append(sorted(i.tolist()))
+        return score(model, batch, i, cfg)
+    monkeypatch.setattr(dppo, "score_rows", spy)
+    orders = []
+    for seed in (1, 2):
+        seen.clear()
+        cfg = dppo.Config(num_minibatches=3, group_size=G, delta_low=0.01, delta_high=0.01)
+        dppo.update_policy(tiny_model("llama", V=V), RecordingSGD([]), batch, cfg, torch.Generator().manual_seed(seed))
+        assert len(seen) == 3 and sorted(sum(seen, [])) == list(range(18))
+        for rows in seen:
+            groups = {r // G for r in rows}
+            assert len(rows) == 2 * G and rows == sorted(g * G + j for g in groups for j in range(G)), rows
+        orders.append(seen[:])
+    assert orders[0] != orders[1]
+
+
+def test_microbatches_count_each_shared_prompt_once():
+    """With prompt_of, a micro-batch of n rows from u prompts costs u x longest prompt + n x longest completion
+    (by hand: 2 prompts of 4 and 6 tokens, 3 rows each with completions 1..3: one pass of 2 x 6 + 6 x 3 = 30 tokens,
+    where every row's prompt would be 6 x 9 = 54), a prompt's rows stay together while they fit, and every
+    micro-batch is within the budget or a single row."""
+    p_len = torch.tensor([4, 4, 4, 6, 6, 6])
+    c_len = torch.tensor([1, 2, 3, 3, 2, 1])
+    prompt_of = torch.tensor([0, 0, 0, 1, 1, 1])
+    rows = torch.arange(6)
+    assert dppo.computed_tokens(rows, p_len, c_len, prompt_of) == 30
+    assert dppo.computed_tokens(rows, p_len, c_len) == 54
+    assert len(dppo.microbatches(rows, p_len, c_len, 30, prompt_of)) == 1
+    assert len(dppo.microbatches(rows, p_len, c_len, 30)) > 1
+    parts = dppo.microbatches(rows, p_len, c_len, 15, prompt_of)  # prompt 0's rows cost 4 + 9 = 13
+    assert [sorted(p.tolist()) for p in parts] == [[0, 1, 2], [3, 4, 5]]
+    g = torch.Generator().manual_seed(0)
+    p_len, c_len = torch.randint(2, 30, (40,), generator=g), torch.randint(1, 50, (40,), generator=g)
+    prompt_of = torch.arange(40) // 8
+    p_len = p_len[prompt_of * 8]  # a prompt's rows share its length
+    for budget in (60, 200, 500):
+        parts = dppo.microbatches(torch.arange(40), p_len, c_len, budget, prompt_of)
+        assert sorted(torch.cat(parts).tolist()) == list(range(40))
+        assert all(len(p) == 1 or dppo.computed_tokens(p, p_len, c_len, prompt_of) <= budget for p in parts)
 
 
 # ------------------------------------------------------------------------------------- the float8 sampler

@@ -201,8 +201,8 @@ def timed(ctx, fn):
 def big_update(ctx, budget: int, dtype: str) -> tuple:
     model, batch = big_model(ctx)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-7)
-    cfg = dppo.Config(loss="dppo", divergence="topk_tv", group_size=8, num_minibatches=2, dtype=dtype,
-                      max_tokens_per_microbatch=budget)
+    cfg = dppo.Config(loss="dppo", divergence="topk_tv", group_size=ctx.B // 2, num_minibatches=2, dtype=dtype,
+                      max_tokens_per_microbatch=budget)  # two mini-batches of one group each
     _, seconds, peak = timed(ctx, lambda: dppo.update_policy(model, opt, batch, cfg, torch.Generator()))
     return ctx.B * (ctx.P + ctx.T) / seconds, peak
 

@@ -53,6 +53,14 @@ Decision rules, fixed before any result of the pilot or the grid existed:
     (P3) "a recomputed anchor lets the mismatch through": the trust region on a recomputed anchor cannot see
          |pi_old - mu|; holds at a precision if the paired interval of g(dppo_tv_old) - g(dppo_tv) lies above 0 and
          comparison (3) is "better". Reported with the mean |pi_old - mu| the recomputed anchor hides.
+Re-measured with mini-batches of whole groups (--groups; written, and committed, before it ran). The grid above ran
+when update_policy shuffled rows into its mini-batches; it now shuffles whole groups (a prompt's G completions
+together, so that the update runs each prompt's forward once), which changes which rows share an optimiser step.
+The headline cells are run again with the code as it is now, everything else as above (LR 4e-4 from the pilot, not
+re-piloted): methods dppo_tv, ratio_clip, pg_is; all three precisions; seeds 0-11 from warm starts made again
+(600 steps, seeds 0-5); 108 runs in runs/mismatch_groups. Reported in mismatch_groups.md, whichever way they fall:
+per cell the mean final accuracy then and now, and comparisons (1) and (2) at each precision, then and now, with
+the verdict rule above. The question: does any verdict of (1) or (2) change with whole-group mini-batches?
 Outputs in --out (default: this folder): mismatch.md (every table), mismatch.png (first-mini-batch |pi - mu| and
 held-out accuracy over steps, per precision and method: mean over seeds), mismatch.json (one summary per run).
 """
@@ -90,6 +98,7 @@ PRECISIONS = ["float32", "bfloat16", "float8"]
 LR = 4e-4  # from the pilot by the docstring's rule (mismatch_pilot.md), committed before the grid runs
 FULL = dict(methods=list(METHODS), precisions=PRECISIONS, seeds=list(range(12)), warm_starts=6, steps=40,
             eval_every=5, prompts_per_step=16, group_size=8, eval_size=1000, warm_start_steps=600, depth=4)
+GROUPS = dict(FULL, methods=["dppo_tv", "ratio_clip", "pg_is"])  # --groups: the headline cells again
 PILOT = dict(FULL, methods=["ratio_clip"], precisions=["float32"], seeds=[0, 1], lrs=[1e-4, 2e-4, 4e-4, 8e-4])
 QUICK = dict(methods=list(METHODS), precisions=PRECISIONS, seeds=[0, 1], warm_starts=2, steps=2, eval_every=1,
              prompts_per_step=4, group_size=4, eval_size=40, warm_start_steps=30, depth=2, lrs=[1e-4])
@@ -100,9 +109,9 @@ COLLAPSE_DROP, LOW_MU = 0.20, 0.15
 COMPARISONS = [("dppo_tv", "ratio_clip"), ("dppo_tv", "pg_is"), ("dppo_tv", "dppo_tv_old"), ("ratio_clip", "minirl")]
 
 
-def run_grid(out: str, grid: dict, lrs: list) -> list[dict]:
+def run_grid(out: str, grid: dict, lrs: list, name: str = "mismatch") -> list[dict]:
     """Every run of the grid (those already finished are read back); one summary per run."""
-    runs_dir = os.path.join(out, "runs", "mismatch")
+    runs_dir = os.path.join(out, "runs", name)
     warm = [dppo.warm_start_dir(os.path.join(runs_dir, f"warm{w}"), warm_start_steps=grid["warm_start_steps"], seed=w)
             for w in range(grid["warm_starts"])]
     jobs = [(m, p, lr, s) for lr in lrs for p in grid["precisions"] for m in grid["methods"] for s in grid["seeds"]]
@@ -313,9 +322,19 @@ def main(argv=None) -> list[dict]:
     mode.add_argument("--pilot", action="store_true", help="the recorded pilot that chooses the learning rate")
     mode.add_argument("--quick", action="store_true", help="a miniature of the grid: checks that everything runs")
     mode.add_argument("--replot", action="store_true", help="redraw tables and figure from --out/mismatch.json")
+    mode.add_argument("--groups", action="store_true", help="the headline cells again, mini-batches of whole groups")
     a = p.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    t0, name = time.time(), "mismatch_pilot" if a.pilot else "mismatch"
+    t0, name = time.time(), "mismatch_pilot" if a.pilot else "mismatch_groups" if a.groups else "mismatch"
+    if a.groups:
+        summaries = run_grid(a.out, GROUPS, [LR], name)
+        with open(os.path.join(a.out, f"{name}.json"), "w") as f:
+            json.dump(summaries, f, indent=1)
+        text = groups_table(json.load(open(os.path.join(a.out, "mismatch.json"))), summaries)
+        with open(os.path.join(a.out, f"{name}.md"), "w") as f:
+            f.write(text)
+        print(text)
+        return summaries
     if a.replot:
         summaries = json.load(open(os.path.join(a.out, "mismatch.json")))
     else:
@@ -337,6 +356,32 @@ def main(argv=None) -> list[dict]:
     print(f"{len(summaries)} runs; this invocation took {time.time() - t0:.0f} s; "
           f"sum of run times {sum(s['seconds'] for s in summaries):.0f} s")
     return summaries
+
+
+def groups_table(then: list[dict], now: list[dict]) -> str:
+    """--groups: mean final accuracy per cell and comparisons (1), (2), with row-shuffled mini-batches (then) and
+    whole-group ones (now)."""
+    lines = ["Mean final held-out accuracy over 12 seeds (min–max), mini-batches of shuffled rows (then) and of "
+             "whole groups (now):", "", "| precision | method | then | now |", "| --- | --- | --- | --- |"]
+    for p in PRECISIONS:
+        for m in GROUPS["methods"]:
+            cells = []
+            for runs in (then, now):
+                finals = [s["final"] for s in _cells(runs, precision=p, method=m)]
+                cells.append(f"{sum(finals) / len(finals):.3f} ({min(finals):.3f}–{max(finals):.3f})")
+            lines.append(f"| {p} | {m} | {cells[0]} | {cells[1]} |")
+    lines += ["", "Comparisons (1) and (2): paired difference of final accuracy, 95 % t interval, verdict:", "",
+              "| comparison | precision | then | now |", "| --- | --- | --- | --- |"]
+    for a, b in COMPARISONS[:2]:
+        for p in PRECISIONS:
+            cells = []
+            for runs in (then, now):
+                m, lo, hi = interval(paired(runs, p, a, b))
+                cells.append(f"{_fmt(m, lo, hi)} {verdict(lo, hi)}")
+            lines.append(f"| {a} − {b} | {p} | {cells[0]} | {cells[1]} |")
+    changed = [line for line in lines[-6:] if line.split("|")[3].split()[-1] != line.split("|")[4].split()[-1]]
+    lines += ["", f"Verdicts that changed: {len(changed)} of 6."]
+    return "\n".join(lines) + "\n"
 
 
 def pilot_table(summaries: list[dict]) -> str:
