@@ -487,7 +487,7 @@ def policy_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_m
     hidden states, chunk by chunk, with what the model does to its logits after the head (a scale, a soft cap: measured
     once per model); a model whose logits follow no such form is scored from its own logits, which keeps (B, T, V)."""
     _check_scoring_args(model, prompt_ids, prompt_mask, completion_ids, completion_mask, topk_ids)  # ValueError
-    P, T = prompt_ids.shape[1], completion_ids.shape[1]
+    P = prompt_ids.shape[1]                                                    # (B, P) prompts, (B, T) completions
     ids = torch.cat([prompt_ids, completion_ids], dim=1)                       # (B, P + T)
     attn = torch.cat([prompt_mask.long(), completion_mask.long()], dim=1)      # (B, P + T)
     kw = dict(input_ids=ids, attention_mask=attn, position_ids=(attn.cumsum(-1) - 1).clamp_min(0), use_cache=False)

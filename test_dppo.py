@@ -2929,16 +2929,16 @@ def grouped_batch(V, prompts=4, G=3, P=6, T=10, K=0, seed=0):
                                               ("dppo", "binary_kl", "recomputed"),
                                               ("ratio_clip", "binary_tv", "rollout")])
 def test_update_with_each_prompt_once_gets_every_rows_gradients(loss, div, anchor, checkpointing, monkeypatch):
-    """update_policy with each prompt's forward once (4 prompts x 3 completions, 2 mini-batches of whole groups)
-    takes the optimiser steps that scoring every row's prompt takes, unsplit and in micro-batches (a budget of 40
-    tokens computed, and of 1: one row a pass), with and without checkpointing, for DPPO (binary and top-K), the
-    recomputed anchor and ratio clip: the same gradients to float32 rounding, the same loss and masked share."""
+    """update_policy on the embedded model with each prompt's forward once (4 prompts x 3 completions, 2 mini-batches
+    of whole groups) takes the optimiser steps that scoring every row's prompt takes, unsplit and in micro-batches (a
+    budget of 40 tokens computed, and of 1: one row a pass), with and without checkpointing, for DPPO (binary and
+    top-K), the recomputed anchor and ratio clip: the same gradients to float32 rounding, loss and masked share."""
     V = 50
     batch = grouped_batch(V, K=4 if div.startswith("topk") else 0)
     runs, rows = {}, {}
     for shared in (True, False):
         for budget in (None, 40, 1):
-            model = tiny_model("llama", V=V)
+            model = dppo.build_tiny_model(V).eval()  # the embedded model
             if checkpointing:
                 model.gradient_checkpointing_enable({"use_reentrant": False})
             if not shared:
