@@ -1762,12 +1762,14 @@ def test_training_forward_makes_no_full_vocab_tensor(dtype):
 
 def test_benchmark_runs_at_tiny_sizes(capsys):
     """bench_dppo's five sections run end to end at tiny sizes and print every row (token counts hand-computed:
-    2 prompts x 3 completions of 4 tokens after 6-token prompts: 2 x 6 + 24 shared, 6 x 6 + 24 every row)."""
+    2 prompts x 3 completions of 4 tokens after 6-token prompts: 2 x 6 + 24 shared, 6 x 6 + 24 every row; in the
+    update, whose completions' forward runs tokens 1..3, 2 x 6 + 6 x 3 shared)."""
     import argparse
     import bench_dppo
     args = argparse.Namespace(capture=[(500, 4, [4, 8])], lengths=[8], batch=4, loss_vocab=500, train_prompts=4,
                               repeats=1, k=20, budgets=[None, 32], minibatches=[2, 4], prompt_once_layers=1,
-                              prompt_once_groups=(2, 3, 4), prompt_once_lengths=[6], prompt_once_repeats=1)
+                              prompt_once_groups=(2, 3, 4), prompt_once_lengths=[6], prompt_once_repeats=1,
+                              update_once_repeats=1)
     device = torch.device("cpu")
     bench_dppo.bench_capture(args, device)
     bench_dppo.bench_loss(args, device)
@@ -1778,7 +1780,7 @@ def test_benchmark_runs_at_tiny_sizes(capsys):
     for row in ["sample_with_topk K=0", "sample_with_topk K=20", "generate(output_logits) + top-K", "| ratio_clip |",
                 "| binary_tv |", "| binary_kl |", "| topk_tv |", "| topk_kl |", "collect_rollout", "update_policy",
                 "| off (one pass) | 4 |", "| 32 | 4 | 64 | 2 |", "| 6 | shared | 36 |", "| 6 | every row | 60 |",
-                "| 6 | every row / shared |"]:
+                "| 6 | every row / shared |", "One update pass", "| 6 | shared | 30 |"]:
         assert row in out, row
 
 
