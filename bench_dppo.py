@@ -303,6 +303,12 @@ def smollm2_shaped(device, layers):
     return LlamaForCausalLM(cfg).to(device).eval()
 
 
+def _every_row(prompt_ids, prompt_mask):
+    """dppo._distinct_rows with no sharing: every row its own prompt (each prompt prefilled once per row)."""
+    rows = torch.arange(len(prompt_ids), device=prompt_ids.device)
+    return rows, rows
+
+
 def bench_prompt_once(args, device):
     """Sampling P x G rows (each prompt G times) with each distinct prompt prefilled once and its KV cache
     expanded, against prefilling all rows, at two prompt lengths; each beside its FLOP floor, 2 N tokens at this
@@ -311,7 +317,6 @@ def bench_prompt_once(args, device):
     n_params = sum(p.numel() for p in model.parameters())  # tied: the embedding matrix is the head, used once
     rate = matmul_flops(device)
     P_prompts, G, T = args.prompt_once_groups
-    every_row = lambda p, a: (torch.arange(len(p), device=p.device), torch.arange(len(p), device=p.device))  # noqa: E731
     shared = dppo._distinct_rows
     rows = []
     for P in args.prompt_once_lengths:
@@ -328,7 +333,7 @@ def bench_prompt_once(args, device):
                 dppo._distinct_rows = shared
         times = {"shared": [], "every row": []}
         for r in range(args.prompt_once_repeats + 1):  # round 0 warms up; the rest are interleaved
-            for name, distinct in (("shared", shared), ("every row", every_row)):
+            for name, distinct in (("shared", shared), ("every row", _every_row)):
                 t0 = time.perf_counter()
                 sample(distinct)
                 if r:
@@ -416,11 +421,10 @@ def bench_vs_trl(args, device):
     model_dir = args.model or make_model_dir(os.path.join("experiments", "runs", "smollm2"))
     P, G, T, M, lr, steps = 8, 8, 48, 4, 1e-5, args.trl_rollouts + 2
     seconds, sampling = {}, {}
-    every_row = lambda p, a: (torch.arange(len(p), device=p.device), torch.arange(len(p), device=p.device))  # noqa: E731
     for name, share in (("dppo.py, each prompt once", True), ("dppo.py, every row's prompt", False)):
         distinct, shares = dppo._distinct_rows, dppo._shares_prompts
         if not share:  # the sampler prefills every row; the update runs every row's prompt
-            dppo._distinct_rows, dppo._shares_prompts = every_row, lambda model, own_logits: False
+            dppo._distinct_rows, dppo._shares_prompts = _every_row, lambda model, own_logits: False
         try:
             with tempfile.TemporaryDirectory() as out:
                 dppo.train(dppo.Config(model=model_dir, out_dir=out, steps=steps, prompts_per_step=P, group_size=G,
