@@ -420,7 +420,7 @@ def bench_vs_trl(args, device):
     from transformers import AutoTokenizer, TrainerCallback
     model_dir = args.model or make_model_dir(os.path.join("experiments", "runs", "smollm2"))
     P, G, T, M, lr, steps = 8, 8, 48, 4, 1e-5, args.trl_rollouts + 2
-    seconds, sampling = {}, {}
+    seconds, sampling, length = {}, {}, {}
     for name, share in (("dppo.py, each prompt once", True), ("dppo.py, every row's prompt", False)):
         distinct, shares = dppo._distinct_rows, dppo._shares_prompts
         if not share:  # the sampler prefills every row; the update runs every row's prompt
@@ -436,13 +436,19 @@ def bench_vs_trl(args, device):
         timed = [r for r in rows if 2 <= r["step"] < steps]
         seconds[name] = statistics.mean(r["seconds"] for r in timed)
         sampling[name] = statistics.mean(r["sample_seconds"] for r in timed)
-        print(f"  {name}: {[round(r['seconds'], 1) for r in rows if r['step'] >= 1]} s a step", flush=True)
+        length[name] = statistics.mean(r["completion_len"] for r in timed)
+        print(f"  {name}: {[round(r['seconds'], 1) for r in rows if r['step'] >= 1]} s a step, completions of "
+              f"{[round(r['completion_len'], 1) for r in rows if r['step'] >= 1]} tokens", flush=True)
 
-    ends = []  # time.time() at the end of each optimiser step
+    ends, lengths = [], []  # time.time() at the end of each optimiser step; each generation batch's mean length
 
     class StepEnds(TrainerCallback):
         def on_step_end(self, *a, **kw):
             ends.append(time.time())
+
+        def on_log(self, args, state, control, logs=None, **kw):
+            if logs and "completions/mean_length" in logs:
+                lengths.append(float(logs["completions/mean_length"]))
     tok = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
     ds, _, _ = dppo.load_task(dppo.Config(model=model_dir))
     with tempfile.TemporaryDirectory() as out:
@@ -457,14 +463,17 @@ def bench_vs_trl(args, device):
         trainer.train()
     batch_ends = ends[M - 1::M]  # the end of each generation batch's last optimiser step
     cycles = [b - a for a, b in zip(batch_ends, batch_ends[1:])]
-    print(f"  TRL GRPOTrainer: {[round(c, 1) for c in cycles]} s a rollout + {M} updates (after the first)")
+    batch_lengths = lengths[1:len(cycles) + 1]  # TRL logs a generation batch's mean length once, at its first step
+    print(f"  TRL GRPOTrainer: {[round(c, 1) for c in cycles]} s a rollout + {M} updates (after the first), "
+          f"completions of {[round(n, 1) for n in batch_lengths]} tokens")
     trl_name = f"TRL {trl.__version__} GRPOTrainer"
     seconds[trl_name] = statistics.mean(cycles)
-    rows = [[name, f"{sec:.1f}", f"{sampling[name]:.1f}" if name in sampling else "",
+    length[trl_name] = statistics.mean(batch_lengths) if batch_lengths else float("nan")
+    rows = [[name, f"{sec:.1f}", f"{sampling[name]:.1f}" if name in sampling else "", f"{length[name]:.1f}",
              f"{seconds[trl_name] / sec:.2f}x"] for name, sec in seconds.items()]
     table(f"A rollout of {P} x {G} and its {M} updates ({model_dir}; float32, HF sampling), mean of "
           f"{args.trl_rollouts} after one", ["trainer", "s / rollout + updates", "of it sampling (s)",
-                                             "TRL's time / this"], rows)
+                                             "mean completion (tokens)", "TRL's time / this"], rows)
 
 
 def main():

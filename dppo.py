@@ -1919,7 +1919,11 @@ def start_run(cfg: Config, given: Optional[set]) -> Run:
     if cfg.gradient_checkpointing:  # (transformers 5.x's name first; non-reentrant keeps the weights' gradients)
         getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)({"use_reentrant": False})
     os.makedirs(cfg.out_dir, exist_ok=True)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    # the fused kernel where torch has one: one pass over the weights a step instead of a dozen elementwise ones
+    # (0.09 s against 0.4-0.9 s a step for 135M weights on 2 CPU cores), the same update to float32 rounding;
+    # transformers' Trainer, and so TRL, uses it too
+    fused = device.type in ("cpu", "cuda")
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, fused=fused)
     run = Run(cfg, model, tok, opt, ds, reward_fn, gen, sample_gen, collections.deque(maxlen=cfg.rollout_lag + 1))
     lr_note = " (the default for it; --lr to change)" if default_lr else ""
     engine = "vLLM " if cfg.use_vllm else ""

@@ -2522,6 +2522,39 @@ def test_a_flag_changed_on_resume_is_what_the_optimiser_uses(warm_model, tmp_pat
     assert state["config"]["lr"] == 1e-4 and state["optim"]["state"]  # AdamW's moments came from the checkpoint
 
 
+def test_the_run_steps_with_fused_adamw_and_it_is_the_textbook_update(warm_model, tmp_path, monkeypatch):
+    """The RL optimiser is torch's fused AdamW on a CPU (one pass over the weights a step: the benchmark's speed
+    against TRL depends on it), and a fused step is AdamW as written by hand (decoupled weight decay, bias-corrected
+    moments) to float32 rounding."""
+    made = []
+
+    class Recorded(torch.optim.AdamW):
+        def __init__(self, params, **kw):
+            made.append(kw)
+            super().__init__(params, **kw)
+    monkeypatch.setattr(dppo.torch.optim, "AdamW", Recorded)
+    dppo.train(small_cfg(warm_model, tmp_path, steps=1, eval_every=100, save_every=100, eval_size=16, quiet=True))
+    assert made and made[-1]["fused"] is True
+    monkeypatch.undo()
+
+    g = torch.Generator().manual_seed(0)
+    w0 = torch.randn(300, 7, generator=g)
+    grads = [torch.randn(300, 7, generator=g) for _ in range(3)]
+    lr, wd, (b1, b2), eps = 1e-3, 0.01, (0.9, 0.999), 1e-8
+    p = torch.nn.Parameter(w0.clone())
+    opt = torch.optim.AdamW([p], lr=lr, weight_decay=wd, fused=True)
+    w, m, v = w0.double(), torch.zeros_like(w0.double()), torch.zeros_like(w0.double())  # the reference, float64
+    for t, grad in enumerate(grads, start=1):
+        p.grad = grad.clone()
+        opt.step()
+        w = w * (1 - lr * wd)
+        m = b1 * m + (1 - b1) * grad.double()
+        v = b2 * v + (1 - b2) * grad.double() ** 2
+        w = w - lr * (m / (1 - b1 ** t)) / ((v / (1 - b2 ** t)).sqrt() + eps)
+    # each step moves a weight by at most ~lr; float32 rounding of weights of size ~1 is ~1e-7 a step
+    assert float((p.detach().double() - w).abs().max()) < 1e-5 * lr / 1e-3
+
+
 def test_no_gradient_is_held_after_the_update():
     """update_policy leaves no .grad behind (zero_grad after each optimiser step): the memory is free for the next
     rollout and for an inference engine that wakes beside the trainer."""
