@@ -61,10 +61,10 @@ re-piloted): methods dppo_tv, ratio_clip, pg_is; all three precisions; seeds 0-1
 (600 steps, seeds 0-5); 108 runs in runs/mismatch_groups. Reported in mismatch_groups.md, whichever way they fall:
 per cell the mean final accuracy then and now, and comparisons (1) and (2) at each precision, then and now, with
 the verdict rule above. The question: does any verdict of (1) or (2) change with whole-group mini-batches?
-When it ran (added before it ran), the code also differed from the grid's in two ways that change numbers only at
-float32 rounding: each prompt's forward runs once in the sampler and the update, and the RL optimiser is the
-fused AdamW; and the warm starts are made on whatever processor runs it. Any of these can move single runs
-(RL amplifies rounding), so a changed verdict is not attributed to whole groups alone.
+When it ran (added before it ran), the code also differed from the grid's in ways that change numbers only at
+float32 rounding: each prompt's forward runs once in the update (the sampler already did so), and the RL
+optimiser is the fused AdamW; and the warm starts are made on whatever processor runs it. Any of these can move
+single runs (RL amplifies rounding), so a changed verdict is not attributed to whole groups alone.
 Outputs in --out (default: this folder): mismatch.md (every table), mismatch.png (first-mini-batch |pi - mu| and
 held-out accuracy over steps, per precision and method: mean over seeds), mismatch.json (one summary per run).
 """
