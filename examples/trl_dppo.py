@@ -269,7 +269,8 @@ def main(argv=None):
     a = p.parse_args(argv)
     # default: the warm start of `python dppo.py`, saved as a model directory (about 40 s on a CPU)
     model = a.model or dppo.warm_start_dir(os.path.join(a.output_dir, "warm"))
-    ds, _, max_new_tokens = dppo.load_task(dppo.Config(model=model))
+    ds, _ = dppo.load_task(dppo.Config(model=model))
+    max_new_tokens = dppo.with_model_defaults(dppo.Config(model=model)).max_new_tokens
     config = DPPOConfig(
         output_dir=a.output_dir, max_steps=a.max_steps, num_generations=8,
         steps_per_generation=4,  # 4 optimiser steps per rollout batch: off-policy updates

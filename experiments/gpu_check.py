@@ -45,8 +45,9 @@ F32_EPS = torch.finfo(torch.float32).eps
 # --- helpers -----------------------------------------------------------------------------------------------
 def run_dppo(out: str, device: str, *flags) -> list:
     """`python dppo.py` as a user runs it; its metrics.jsonl rows."""
+    fresh = [] if "--resume" in flags else ["--overwrite"]
     subprocess.run([sys.executable, os.path.join(ROOT, "dppo.py"), "--out_dir", out, "--device", device, "--quiet",
-                    *flags], check=True)
+                    *fresh, *flags], check=True)
     with open(os.path.join(out, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
 

@@ -81,6 +81,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # dppo.py sits one folder up
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import dppo  # noqa: E402
+from samplers import make_sampler  # noqa: E402
 from stability import run_once  # noqa: E402  the first study's resumable run
 
 METHODS = {
@@ -123,12 +124,12 @@ def run_grid(out: str, grid: dict, lrs: list, name: str = "mismatch") -> list[di
     for n, (method, precision, lr, seed) in enumerate(jobs, 1):
         run_dir = os.path.join(runs_dir, f"{method}-{precision}-lr{lr:g}-seed{seed}")
         cfg = dppo.Config(model=warm[seed % len(warm)], out_dir=run_dir, seed=seed, lr=lr, quiet=True,
-                          rollout_dtype=precision, num_minibatches=grid["depth"], steps=grid["steps"],
+                          num_minibatches=grid["depth"], steps=grid["steps"],
                           eval_every=grid["eval_every"], save_every=grid["steps"],
                           prompts_per_step=grid["prompts_per_step"], group_size=grid["group_size"],
                           eval_size=grid["eval_size"], **METHODS[method])
-        s = run_once(run_dir, cfg, summarise, method=method, precision=precision, lr=lr, seed=seed,
-                     warm_start=seed % len(warm))
+        s = run_once(run_dir, cfg, summarise, make_sampler(precision), method=method, precision=precision, lr=lr,
+                     seed=seed, warm_start=seed % len(warm))
         summaries.append(s)
         fell = f" collapsed at step {s['collapse_step']}" if s["collapse_step"] else ""
         print(f"[{n}/{len(jobs)}] {os.path.basename(run_dir)}: {s['acc'][0][1]:.3f} -> {s['final']:.3f}{fell} "

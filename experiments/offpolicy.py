@@ -48,6 +48,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # dppo.py sits one folder up
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import dppo  # noqa: E402
+from samplers import make_sampler  # noqa: E402
 from stability import NAMES, VARIANTS as ALL_VARIANTS, run_once  # noqa: E402  the first study's variants
 
 VARIANTS = {v: ALL_VARIANTS[v] for v in ("dppo_tv", "dppo_kl", "ratio_clip", "pg_is", "dppo_tv_old")}
@@ -73,10 +74,11 @@ def run_grid(out: str, grid: dict, lrs: list) -> list[dict]:
     for i, (variant, depth, lag, lr, seed) in enumerate(jobs, 1):
         run_dir = os.path.join(runs_dir, f"{variant}-M{depth}-lag{lag}-lr{lr:g}-seed{seed}")
         cfg = dppo.Config(model=warm[seed % len(warm)], out_dir=run_dir, seed=seed, lr=lr, quiet=True,
-                          num_minibatches=depth, rollout_lag=lag, steps=grid["steps"], eval_every=grid["eval_every"],
+                          num_minibatches=depth, steps=grid["steps"], eval_every=grid["eval_every"],
                           save_every=grid["steps"], prompts_per_step=grid["prompts_per_step"],
                           group_size=grid["group_size"], eval_size=grid["eval_size"], **VARIANTS[variant])
-        summaries.append(s := run_once(run_dir, cfg, summarise, variant=variant, depth=depth, lag=lag, lr=lr,
+        summaries.append(s := run_once(run_dir, cfg, summarise, make_sampler(lag=lag), variant=variant, depth=depth,
+                                       lag=lag, lr=lr,
                                        seed=seed, warm_start=seed % len(warm)))
         print(f"[{i}/{len(jobs)}] {os.path.basename(run_dir)}: {s['acc'][0][1]:.3f} -> {s['final']:.3f}"
               f"{' collapsed at step %d' % s['collapse_step'] if s['collapse_step'] else ''} ({s['seconds']:.0f} s)",

@@ -47,12 +47,13 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # dppo.py sits one folder up
 import dppo  # noqa: E402
+from samplers import make_sampler  # noqa: E402
 
 RUNS = {"dppo_tv": (dict(loss="dppo", divergence="binary_tv"), [0, 1]),
         "ratio_clip": (dict(loss="ratio_clip"), [0, 1]),
-        "dppo_tv_bf16": (dict(loss="dppo", divergence="binary_tv", rollout_dtype="bfloat16"), [0]),
-        "dppo_tv_fp8": (dict(loss="dppo", divergence="binary_tv", rollout_dtype="float8"), [0]),
-        "ratio_clip_fp8": (dict(loss="ratio_clip", rollout_dtype="float8"), [0])}
+        "dppo_tv_bf16": (dict(loss="dppo", divergence="binary_tv", sampler="bfloat16"), [0]),
+        "dppo_tv_fp8": (dict(loss="dppo", divergence="binary_tv", sampler="float8"), [0]),
+        "ratio_clip_fp8": (dict(loss="ratio_clip", sampler="float8"), [0])}  # sampler: experiments/samplers.py
 FULL = dict(steps=20, eval_every=5, save_every=5, prompts_per_step=8, group_size=8, num_minibatches=4,
             max_new_tokens=48, lr=1e-5, eval_size=200)
 QUICK = dict(steps=2, eval_every=2, save_every=2, prompts_per_step=2, group_size=2, num_minibatches=2,
@@ -95,7 +96,7 @@ def held_out(model_dir: str, settings: dict) -> tuple[float, list[dict], dict]:
     """Greedy accuracy, every completion and the analysis of model_dir on the held-out prompts, by dppo.evaluate."""
     cfg = dppo.with_model_defaults(dppo.Config(model=model_dir, eval_size=settings["eval_size"],
                                                max_new_tokens=settings["max_new_tokens"]))
-    (ds, reward_fn, _), (model, tok) = dppo.load_task(cfg), dppo.load_model_and_tokenizer(cfg, dppo.pick_device("cpu"))
+    (ds, reward_fn), (model, tok) = dppo.load_task(cfg), dppo.load_model_and_tokenizer(cfg, dppo.pick_device("cpu"))
     acc, samples = dppo.evaluate(model, tok, ds["test"], reward_fn, cfg, n_samples=len(ds["test"]))
     return acc, samples, analyse([s["completion"] for s in samples], ds["test"]["answer"])
 
@@ -115,9 +116,11 @@ def run_all(out: str, model_dir: str, settings: dict) -> tuple[dict, list[dict]]
         done = os.path.join(run_dir, "summary.json")
         if not os.path.exists(done):
             t0, resume = time.time(), os.path.exists(os.path.join(run_dir, "checkpoint.pt"))
+            kw = dict(RUNS[variant][0])
+            sampler = make_sampler(kw.pop("sampler", "float32"))
             cfg = dppo.Config(out_dir=run_dir, resume=True) if resume else \
-                dppo.Config(model=model_dir, out_dir=run_dir, seed=seed, quiet=True, **settings, **RUNS[variant][0])
-            dppo.train(cfg)
+                dppo.Config(model=model_dir, out_dir=run_dir, seed=seed, quiet=True, overwrite=True, **settings, **kw)
+            dppo.train(cfg, sampler=sampler)
             acc, samples, stats = held_out(os.path.join(run_dir, "model"), settings)
             rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
             json.dump(dict(variant=variant, seed=seed, rows=rows, final_acc_reevaluated=acc, samples=samples,

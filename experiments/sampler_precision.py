@@ -7,9 +7,9 @@ before any update (the same weights on both sides), by sampler precision, on the
                                                                      # made by experiments/real_model.py once)
 
 Settings (fixed before running; no pilot):
-- Samplers: float32 (the policy itself), bfloat16 (a bf16 copy, dppo.py --rollout_dtype bfloat16), float8 weights
-  only (a float32 copy with every linear weight but the head's rounded to e4m3, one scale per output channel), and
-  float8 W8A8 (dppo.py --rollout_dtype float8: those weights and every linear layer's input rounded to e4m3, one
+- Samplers (experiments/samplers.py): float32 (the policy itself), bfloat16 (CopySampler, a bf16 copy), float8
+  weights only (a float32 copy with every linear weight but the head's rounded to e4m3, one scale per output
+  channel), and float8 W8A8 (Float8Sampler: those weights and every linear layer's input rounded to e4m3, one
   scale per token). The trainer scores in float32 (policy_logprobs).
 - Embedded model: the default warm start (`python dppo.py`'s, 600 steps), one rollout of the default step: 32
   prompts x 8 completions at T = 1, prompts drawn with seed 0, the sampler's generator seeded 1.
@@ -21,11 +21,9 @@ Settings (fixed before running; no pilot):
 Results: experiments/sampler_precision.{md,json}.
 """
 import argparse
-import copy
 import json
 import os
 import sys
-from dataclasses import replace
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # dppo.py sits one folder up
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -33,25 +31,31 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 
 import dppo  # noqa: E402
+from samplers import CopySampler, Float8Sampler, float8_linears  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 BUCKETS = ((0.0, 0.15), (0.15, 0.5), (0.5, 0.9), (0.9, 1.0 + 1e-9))
 
 
-def samplers(model) -> dict:
-    """name -> (a sampler standing for `model`, the --rollout_dtype that generate() syncs it as). generate() loads the
-    policy's weights into a copy before each rollout and, for float8, rounds its linear weights to e4m3 then."""
-    return {"float32": (model, "float32"), "bfloat16": (copy.deepcopy(model).to(torch.bfloat16), "bfloat16"),
-            "float8 weights": (copy.deepcopy(model), "float8"), "float8 W8A8": (dppo.float8_sampler(model), "float8")}
+class Float8WeightsSampler(Float8Sampler):
+    """Float8Sampler's weights, its linear inputs left in float32."""
+
+    def prepare(self, copy_of_policy) -> None:
+        self.linears = float8_linears(copy_of_policy)
+
+
+def samplers() -> dict:
+    """name -> a sampler (sample_with_topk's signature, handed the policy; each syncs its copy from it)."""
+    return {"float32": dppo.sample_with_topk, "bfloat16": CopySampler(torch.bfloat16),
+            "float8 weights": Float8WeightsSampler(), "float8 W8A8": Float8Sampler()}
 
 
 def measure(model, tok, rows, cfg) -> dict:
     """One rollout per sampler from the same prompts and generator seed, scored by the float32 policy."""
     out = {}
-    for name, (sampler, rollout_dtype) in samplers(model).items():
+    for name, sampler in samplers().items():
         gen = torch.Generator().manual_seed(1)
-        batch = dppo.collect_rollout(model, tok, rows, dppo.number_reward, replace(cfg, rollout_dtype=rollout_dtype),
-                                     gen, gen, sampler)
+        batch = dppo.collect_rollout(model, tok, rows, dppo.number_reward, cfg, sampler, gen)
         ro = batch.rollout
         with torch.no_grad():
             logp, _ = dppo.policy_logprobs(model, batch.prompt_ids, batch.prompt_mask, ro.completion_ids,
@@ -79,7 +83,7 @@ def measure(model, tok, rows, cfg) -> dict:
 def embedded() -> dict:
     warm = dppo.warm_start_dir(os.path.join("runs", "sampler_precision", "warm"))
     cfg = dppo.with_model_defaults(dppo.Config(model=warm))
-    (ds, _, _), (model, tok) = dppo.load_task(cfg), dppo.load_model_and_tokenizer(cfg, torch.device("cpu"))
+    (ds, _), (model, tok) = dppo.load_task(cfg), dppo.load_model_and_tokenizer(cfg, torch.device("cpu"))
     g = torch.Generator().manual_seed(0)
     rows = ds["train"][torch.randint(len(ds["train"]), (cfg.prompts_per_step,), generator=g).tolist()]
     return measure(model.eval(), tok, rows, cfg)
@@ -90,7 +94,7 @@ def smollm2(path: str) -> dict:
     import real_model
     cfg = dppo.with_model_defaults(dppo.Config(model=real_model.make_model_dir(path), prompts_per_step=8,
                                                max_new_tokens=48))
-    (ds, _, _), (model, tok) = dppo.load_task(cfg), dppo.load_model_and_tokenizer(cfg, torch.device("cpu"))
+    (ds, _), (model, tok) = dppo.load_task(cfg), dppo.load_model_and_tokenizer(cfg, torch.device("cpu"))
     g = torch.Generator().manual_seed(0)
     rows = ds["train"][torch.randint(len(ds["train"]), (cfg.prompts_per_step,), generator=g).tolist()]
     return measure(model.eval(), tok, rows, cfg)

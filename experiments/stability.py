@@ -28,6 +28,7 @@ stability.json (one summary per run), all in --out (default: this folder).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -36,6 +37,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # dppo.py sits one folder up
 import dppo  # noqa: E402
+from samplers import make_sampler  # noqa: E402
 
 VARIANTS = {
     "dppo_tv": dict(loss="dppo", divergence="binary_tv"),
@@ -53,12 +55,13 @@ QUICK = dict(lrs=[3e-4], seeds=[0], steps=3, eval_every=3, prompts_per_step=8, g
 COLLAPSE_DROP = 0.30
 
 
-def run_once(run_dir: str, cfg, summarise, **meta) -> dict:
-    """One resumable run: trained unless run_dir/summary.json exists; its summary = summarise(metrics rows) | meta."""
+def run_once(run_dir: str, cfg, summarise, sampler=None, **meta) -> dict:
+    """One resumable run: trained (afresh) unless run_dir/summary.json exists, sampling with `sampler` (None: the
+    policy itself); its summary = summarise(metrics rows) | meta."""
     done = os.path.join(run_dir, "summary.json")
     if not os.path.exists(done):
         t0 = time.time()
-        dppo.train(cfg)
+        dppo.train(dataclasses.replace(cfg, overwrite=True), sampler=sampler)
         rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
         json.dump(summarise(rows) | meta | dict(seconds=time.time() - t0), open(done, "w"))
     return json.load(open(done))
@@ -74,11 +77,12 @@ def run_grid(out: str, grid: dict) -> list[dict]:
         name = f"{variant}-mismatch_{mm}-lr{lr:g}-seed{seed}"
         run_dir = os.path.join(runs_dir, name)
         cfg = dppo.Config(model=warm, out_dir=run_dir, seed=seed, lr=lr, quiet=True,
-                          rollout_dtype=MISMATCH[mm], steps=grid["steps"], eval_every=grid["eval_every"],
+                          steps=grid["steps"], eval_every=grid["eval_every"],
                           save_every=grid["steps"], prompts_per_step=grid["prompts_per_step"],
                           group_size=grid["group_size"], num_minibatches=grid["num_minibatches"],
                           **VARIANTS[variant])
-        summaries.append(s := run_once(run_dir, cfg, summarise, variant=variant, mismatch=mm, lr=lr, seed=seed))
+        summaries.append(s := run_once(run_dir, cfg, summarise, make_sampler(MISMATCH[mm]), variant=variant,
+                                       mismatch=mm, lr=lr, seed=seed))
         print(f"[{i}/{len(jobs)}] {name}: acc {s['acc'][0][1]:.3f} -> {s['final']:.3f} (best {s['best']:.3f})"
               f"{' collapsed at step %d' % s['collapse_step'] if s['collapse_step'] else ''}", flush=True)
     return summaries
