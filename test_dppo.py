@@ -1395,6 +1395,9 @@ def test_mismatch_study_statistics_hand_computed():
     assert s["own_low_mu"] == 1.0 and s["rival_low_mu"] == pytest.approx(0.25) and s["tokens_rival"] == 120
     no_fall = mismatch.summarise([dict(r, acc=0.61) if "acc" in r and r["step"] == 15 else r for r in rows])
     assert no_fall["collapse_step"] is None              # 0.19 below the best: not a collapse
+    assert 0.417 - 0.217 < 0.2                           # a drop of exactly 20 points that subtracts to 0.1999...
+    assert mismatch.collapse_step([(0, 0.3), (5, 0.417), (10, 0.217)]) == 10  # ... is a collapse (seed 9's case)
+    assert mismatch.collapse_step([(0, 0.3), (5, 0.417), (10, 0.218)]) is None
 
 
 def test_mismatch_study_quick_mode_runs_every_method_and_precision(tmp_path, monkeypatch):

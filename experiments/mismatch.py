@@ -111,6 +111,7 @@ QUICK = dict(methods=list(METHODS), precisions=PRECISIONS, seeds=[0, 1], warm_st
 T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
          11: 2.201}
 COLLAPSE_DROP, LOW_MU = 0.20, 0.15
+ACC_TOL = 1e-9  # accuracies are multiples of 1/eval_size: a drop of exactly 0.20 may subtract to 0.1999999...
 COMPARISONS = [("dppo_tv", "ratio_clip"), ("dppo_tv", "pg_is"), ("dppo_tv", "dppo_tv_old"), ("ratio_clip", "minirl")]
 
 
@@ -146,15 +147,22 @@ def _pooled(rows: list[dict], key: str, weight: str):
     return sum(r[key] * r[weight] for r in rows) / total
 
 
+def collapse_step(acc: list) -> int | None:
+    """The first evaluation step at which accuracy is COLLAPSE_DROP or more below the best before it (ACC_TOL: the
+    comparison forgives float rounding, so 0.417 -> 0.217 is a drop of 0.20); None if there is none."""
+    best = -1.0
+    for step, a in acc:
+        if best - a >= COLLAPSE_DROP - ACC_TOL:
+            return step
+        best = max(best, a)
+    return None
+
+
 def summarise(rows: list[dict]) -> dict:
     """One run's metrics.jsonl rows -> its accuracy curve, final accuracy, collapse step, mismatch curve and growth,
     and its own and the other rule's masked shares with mu < 0.15 (token-weighted over its steps)."""
     acc = [(r["step"], r["acc"]) for r in rows if "acc" in r]
-    collapse, best = None, -1.0
-    for step, a in acc:
-        if collapse is None and best - a >= COLLAPSE_DROP:
-            collapse = step
-        best = max(best, a)
+    collapse = collapse_step(acc)
     steps = [r for r in rows if "reward" in r]
     mismatch = [(r["step"], r["mismatch_dp_mean"]) for r in steps]
     early = [m for step, m in mismatch if step <= 10]
@@ -340,8 +348,10 @@ def main(argv=None) -> list[dict]:
             f.write(text)
         print(text)
         return summaries
-    if a.replot:
+    if a.replot:  # the collapse step recomputed from each run's stored accuracy curve, by the rule as it is now
         summaries = json.load(open(os.path.join(a.out, "mismatch.json")))
+        for s in summaries:
+            s["collapse_step"] = collapse_step(s["acc"])
     else:
         grid = PILOT if a.pilot else QUICK if a.quick else FULL
         lrs = grid.get("lrs", [LR] if LR else None)
