@@ -260,6 +260,8 @@ def _loss_metrics(lp, lmu, adv, valid, kept, div, rival_kept) -> dict:
     pos = valid * (adv > 0)                # tokens with A > 0
     neg = valid * (adv < 0)                # tokens with A < 0
     cut = valid * (1 - kept)               # tokens the rule masked (no gradient)
+    away = ((adv > 0) & (lp > lmu)) | ((adv < 0) & (lp < lmu))  # pushed further from mu: where a mask can bind
+    bindable = valid * away
     rival_cut = valid * (1 - rival_kept)   # tokens the other rule would have masked
     dp = (lp.exp() - lmu.exp()).abs()      # |pi(a_t) - mu(a_t)|
     low = (lmu.exp() < LOW_MU).float()     # rare under mu
@@ -269,6 +271,7 @@ def _loss_metrics(lp, lmu, adv, valid, kept, div, rival_kept) -> dict:
         "masked_frac": _share(cut, n),
         "masked_frac_pos": _share(cut * pos, pos.sum()),
         "masked_frac_neg": _share(cut * neg, neg.sum()),
+        "masked_frac_bindable": _share(cut * bindable, bindable.sum()),  # the share to tune delta with
         "abs_dp_mean": _share(dp * valid, n),
         "abs_dp_max": float((dp * valid).max()) if dp.numel() else 0.0,
         "divergence": _share(div * valid, n),
@@ -281,6 +284,7 @@ def _loss_metrics(lp, lmu, adv, valid, kept, div, rival_kept) -> dict:
         "tokens": float(n),
         "tokens_pos": float(pos.sum()),
         "tokens_neg": float(neg.sum()),
+        "tokens_bindable": float(bindable.sum()),
         "tokens_masked": float(n_cut),
         "tokens_rival": float(n_rival),
     }
@@ -651,6 +655,7 @@ def recomputed_anchor(model, batch: Batch, cfg: Config, p_len, c_len) -> tuple[R
 def merge_metrics(parts: list[dict]) -> dict:
     """Average (micro- or mini-)batch metrics token-weighted, sum the counts: merging merged parts is exact."""
     weight = {"masked_frac_pos": "tokens_pos", "masked_frac_neg": "tokens_neg", "masked_low_mu": "tokens_masked",
+              "masked_frac_bindable": "tokens_bindable",
               "masked_dp": "tokens_masked", "rival_masked_low_mu": "tokens_rival", "rival_masked_dp": "tokens_rival"}
     merged = {}
     for k in parts[0]:
@@ -1429,7 +1434,7 @@ def log_step(run: Run, m: dict, greedy: list, batch: Optional[Batch] = None) -> 
 
 PANELS = {
     "reward & held-out accuracy": ["reward", "acc"],
-    "masked fraction": ["masked_frac_pos", "masked_frac_neg"],
+    "masked fraction": ["masked_frac_pos", "masked_frac_neg", "masked_frac_bindable"],
     "mean |pi(a) - mu(a)|": ["abs_dp_mean", "mismatch_dp_mean"],
     "mean divergence": ["divergence"],
     "entropy of mu (nats)": ["entropy"],

@@ -285,6 +285,8 @@ def test_metrics_hand_computed():
     assert m["abs_dp_mean"] == pytest.approx(0.2) and m["abs_dp_max"] == pytest.approx(0.4)
     assert m["ratio"] == pytest.approx((3 + 1 + 0.2 + 1) / 4)
     assert m["masked_low_mu"] == pytest.approx(0.0)      # the masked tokens had mu 0.2 and 0.5
+    # where a mask can bind: (0,0) up with A>0 and (1,0) down with A<0; (0,1) and (1,1) did not move: 2 of 2 masked
+    assert m["tokens_bindable"] == 2 and m["masked_frac_bindable"] == pytest.approx(1.0)
     _, r = ratio_clip_loss(lp, lmu, torch.tensor([1.0, -1.0]), torch.ones(2, 2))
     assert r["masked_frac"] == pytest.approx(0.5) and r["masked_low_mu"] == pytest.approx(0.0)
     lmu = torch.log(torch.tensor([[0.1, 0.5], [0.5, 0.4]]))  # token (0,0) now rare: 0.1 -> 0.6 masked by both
