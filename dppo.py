@@ -870,11 +870,16 @@ WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_mo
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
 
 
+def dir_lacks(path: str, files: tuple) -> bool:
+    """A local directory that holds none of `files` (a hub id, or no directory, lacks nothing here)."""
+    return os.path.isdir(path) and not any(os.path.exists(os.path.join(path, f)) for f in files)
+
+
 def _load_error(cfg: Config, what: str, files: tuple, e: BaseException) -> ConfigError:
     """One line naming the model, what did not load and why: for a local directory, the files it lacks."""
     path = os.path.expanduser(cfg.model)
     why = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
-    if os.path.isdir(path) and not any(os.path.exists(os.path.join(path, f)) for f in files):
+    if dir_lacks(path, files):
         why = f"{path} has no {what} file (one of {', '.join(files)})"
     return ConfigError(f"--model {cfg.model}: cannot load its {what}: {why}")
 
@@ -1016,8 +1021,10 @@ def rollout_from_sequences(seqs, rows, eos_token_id, pad_token_id, device="cpu")
         return torch.nn.utils.rnn.pad_sequence(xs, batch_first=True, padding_value=value).to(device)  # (B, T[, K])
     ids = pad([torch.tensor(s, dtype=torch.long) for s in seqs], pad_token_id)                    # (B, T)
     ends = torch.arange(ids.shape[1], device=device) < torch.tensor([len(s) for s in seqs], device=device)[:, None]
-    topk_ids = pad([r[1] for r in rows]) if rows[0][1] is not None else None                      # (B, T, K)
-    topk_logp = pad([r[2] for r in rows]) if rows[0][1] is not None else None                     # (B, T, K)
+    topk_ids = topk_logp = None
+    if rows[0][1] is not None:  # top-K was requested
+        topk_ids = pad([r[1] for r in rows])                                                      # (B, T, K)
+        topk_logp = pad([r[2] for r in rows])                                                     # (B, T, K)
     mask = completion_mask_from_ids(ids, eos_token_id) * ends                                     # (B, T)
     return Rollout(ids, mask, pad([r[0] for r in rows]), topk_ids, topk_logp)
 
@@ -1098,7 +1105,7 @@ def _model_errors(cfg: Config, ds) -> list[str]:
             return [f"--model {cfg.model}: cannot load its config, locally or from the hub ({str(e).splitlines()[0]})"]
         if getattr(mc, "is_encoder_decoder", False):
             return [f"--model {cfg.model} is an encoder-decoder ({mc.model_type}); DPPO needs a causal decoder"]
-        if os.path.isdir(path) and not any(os.path.exists(os.path.join(path, f)) for f in WEIGHT_FILES):
+        if dir_lacks(path, WEIGHT_FILES):
             return [f"--model {cfg.model}: {path} has no weights file (one of {', '.join(WEIGHT_FILES)})"]
         vocab = mc.vocab_size
         context = getattr(mc, "max_position_embeddings", None) or getattr(mc, "n_positions", None)
@@ -1422,9 +1429,10 @@ def log_step(run: Run, m: dict, greedy: list, batch: Optional[Batch] = None) -> 
         rows += [{"step": m["step"], "kind": "sampled", **x} for x in (batch.samples if batch else [])]
         with open(run.path("samples.jsonl"), "a") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
-        for r in rows if not run.cfg.quiet else []:
-            tqdm.write(f"  {r['kind']:>7} {r['prompt'][-60:]!r} -> {r['completion'][:80]!r} (reward {r['reward']:g})")
         if not run.cfg.quiet:
+            for r in rows:
+                tqdm.write(f"  {r['kind']:>7} {r['prompt'][-60:]!r} -> {r['completion'][:80]!r} "
+                           f"(reward {r['reward']:g})")
             tqdm.write(f"step {m['step']:4d} | held-out greedy accuracy {m['acc']:.3f}")
     with open(run.path("metrics.jsonl"), "a") as f:
         f.write(json.dumps(m) + "\n")
