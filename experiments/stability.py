@@ -55,14 +55,22 @@ QUICK = dict(lrs=[3e-4], seeds=[0], steps=3, eval_every=3, prompts_per_step=8, g
 COLLAPSE_DROP = 0.30
 
 
+def config_kw(variant: dict) -> dict:
+    """A variant's dppo.Config fields (its anchor is the sampler's business: samplers.make_sampler)."""
+    return {k: v for k, v in variant.items() if k != "anchor"}
+
+
 def run_once(run_dir: str, cfg, summarise, sampler=None, **meta) -> dict:
     """One resumable run: trained (afresh) unless run_dir/summary.json exists, sampling with `sampler` (None: the
-    policy itself); its summary = summarise(metrics rows) | meta."""
+    policy itself); its summary = summarise(metrics rows) | meta. A RecomputedAnchor's per-rollout gap replaces the
+    steps' mismatch_dp_* (which its loss measured against pi_old) and adds anchor_dp_mean, as a study reads them."""
     done = os.path.join(run_dir, "summary.json")
     if not os.path.exists(done):
         t0 = time.time()
         dppo.train(dataclasses.replace(cfg, overwrite=True), sampler=sampler)
         rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+        for row, gap in zip([r for r in rows if "reward" in r], getattr(sampler, "log", [])):
+            row.update(gap)
         json.dump(summarise(rows) | meta | dict(seconds=time.time() - t0), open(done, "w"))
     return json.load(open(done))
 
@@ -80,8 +88,9 @@ def run_grid(out: str, grid: dict) -> list[dict]:
                           steps=grid["steps"], eval_every=grid["eval_every"],
                           save_every=grid["steps"], prompts_per_step=grid["prompts_per_step"],
                           group_size=grid["group_size"], num_minibatches=grid["num_minibatches"],
-                          **VARIANTS[variant])
-        summaries.append(s := run_once(run_dir, cfg, summarise, make_sampler(MISMATCH[mm]), variant=variant,
+                          **config_kw(VARIANTS[variant]))
+        sampler = make_sampler(MISMATCH[mm], anchor=VARIANTS[variant].get("anchor", "rollout"))
+        summaries.append(s := run_once(run_dir, cfg, summarise, sampler, variant=variant,
                                        mismatch=mm, lr=lr, seed=seed))
         print(f"[{i}/{len(jobs)}] {name}: acc {s['acc'][0][1]:.3f} -> {s['final']:.3f} (best {s['best']:.3f})"
               f"{' collapsed at step %d' % s['collapse_step'] if s['collapse_step'] else ''}", flush=True)
