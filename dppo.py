@@ -5,11 +5,12 @@ Qi, Zhou, Liu, Pang, Du, Lin, Lee, "Rethinking the Trust Region in LLM Reinforce
 arXiv:2602.04879v3. Equation numbers are v3's (v1 numbers the objective and the mask Eqs. 11-12).
 
 PPO/GRPO decide whether a token may still be pushed by the ratio r_t = pi(a_t) / mu(a_t) of the sampled token: a
-one-sample estimate of how far the whole next-token distribution moved. It over-reacts for rare tokens (0.001 ->
-0.003 is r = 3, yet the distribution barely moved) and under-reacts for frequent ones (0.99 -> 0.80 is r = 0.81,
-inside PPO's [0.8, 1.28], yet the total variation is 0.19). DPPO keeps PPO's surrogate M_t r_t A_t (Eq. 12) but sets
-the mask M_t from an estimate of a real divergence between mu and pi: TV or KL, binary (Eqs. 13-14) or top-K
-(Eqs. 15-16). Thm 3.2 (Eqs. 7-8) says why: the improvement is bounded below by the surrogate minus a TV term.
+one-sample estimate of how far the whole next-token distribution moved (TV = 1/2 E_mu|r - 1|, Eq. 11). It
+over-reacts for rare tokens (0.001 -> 0.003 is r = 3, yet the distribution barely moved) and under-reacts for
+frequent ones (0.99 -> 0.80 is r = 0.81, inside PPO's [0.8, 1.28], yet the total variation is 0.19). DPPO keeps
+PPO's surrogate M_t r_t A_t (Eq. 12) but sets the mask M_t from an estimate of a real divergence between mu and pi:
+TV or KL, binary (Eqs. 13-14) or top-K (Eqs. 15-16). Thm 3.2 (Eqs. 7-8) says why: the improvement is bounded below
+by the surrogate minus a TV term, linear in the expected sum over the response of each position's TV (Eq. 8).
 
 `python dppo.py` runs on a 2-core CPU in about a minute: a tiny Llama warm-started on two-digit addition with a
 misconception (carries often dropped), which DPPO fixes. `--model` / `--task gsm8k` / `--use_vllm` is the
@@ -198,7 +199,8 @@ def _topk_buckets(topk_logp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def topk_tv(topk_logp: torch.Tensor, topk_logp_mu: torch.Tensor) -> torch.Tensor:
-    """Top-K TV (Eq. 15): 1/2 sum over A'_t = TopK(mu) + {a_t}, plus the 'other' bucket, of |mu - pi|."""
+    """Top-K TV (Eq. 15): 1/2 sum over A'_t = TopK(mu) + {a_t}, plus the 'other' bucket, of |mu - pi|; merging tokens
+    into buckets never raises TV, so it bounds the exact TV from below (App. B)."""
     _check_shape("topk_logp_mu", topk_logp_mu, topk_logp.shape)  # the same K ids under both policies
     _check_logprobs(topk_logp=topk_logp, topk_logp_mu=topk_logp_mu)
     p, _ = _topk_buckets(topk_logp)        # (B, T, K+1)
@@ -207,7 +209,8 @@ def topk_tv(topk_logp: torch.Tensor, topk_logp_mu: torch.Tensor) -> torch.Tensor
 
 
 def topk_kl(topk_logp: torch.Tensor, topk_logp_mu: torch.Tensor) -> torch.Tensor:
-    """Top-K KL (Eq. 16): sum over A'_t plus the 'other' bucket of mu (log mu - log pi)."""
+    """Top-K KL (Eq. 16): sum over A'_t plus the 'other' bucket of mu (log mu - log pi); a lower bound on the exact
+    KL by the log-sum inequality (App. B)."""
     _check_shape("topk_logp_mu", topk_logp_mu, topk_logp.shape)  # the same K ids under both policies
     _check_logprobs(topk_logp=topk_logp, topk_logp_mu=topk_logp_mu)
     _, logs = _topk_buckets(topk_logp)           # (B, T, K+1)
@@ -1353,6 +1356,7 @@ def check_finite(run: Run, m: dict) -> None:
 
 # --- Reporting: the step line, samples, metrics.jsonl, trackers, plots ---------------------------------------
 STEP_LINE = ("step {step:4d} | reward {reward:.3f} | masked +{masked_frac_pos:.3f} -{masked_frac_neg:.3f} "
+             "({masked_frac_bindable:.3f} of bindable) "
              "| |pi-mu| {abs_dp_mean:.4f} (max {abs_dp_max:.3f}) | D {divergence:.4f} | H {entropy:.3f} "
              "| len {completion_len:.1f} | loss {loss:+.4f} | grad {grad_norm:.3f}")
 

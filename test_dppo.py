@@ -1423,6 +1423,40 @@ def test_mismatch_p_values_and_holm_hand_computed():
     assert mismatch.holm([0.03, 0.5, 0.01, 0.02]) == pytest.approx([0.06, 0.5, 0.04, 0.06])
 
 
+def test_dose_study_formats_and_rounding_hand_computed():
+    """The fourth study's amplified samplers: the FP4 e2m1 grid is 0, 0.5, 1, 1.5, 2, 3, 4, 6 and FP6 e3m2's tops out
+    at 28 with 0.0625 its smallest step; rounding picks the nearest grid value per output channel (scale max|x| / 6),
+    ties to the lower value; the area under an accuracy curve and the primary contrast's verdict by hand."""
+    sys.path.insert(0, os.path.join(ROOT, "experiments"))
+    import mismatch_dose as md
+    assert md.fp_grid(2, 1).tolist() == [0, 0.5, 1, 1.5, 2, 3, 4, 6]
+    e3m2 = md.fp_grid(3, 2)
+    assert e3m2[1] == 0.0625 and e3m2[-1] == 28 and len(e3m2) == 32
+    x = torch.tensor([[6.0, 2.4, -0.7, 0.2], [0.75, 0.375, -0.0625, 0.03125]])  # scales 1 and 1/8; 0.03125: a tie
+    expected = torch.tensor([[6.0, 2.0, -0.5, 0.0], [0.75, 0.375, -0.0625, 0.0]])
+    assert torch.allclose(md.round_to_grid(x, md.fp_grid(2, 1), 1), expected)
+    assert md.auc([(0, 0.2), (10, 0.6), (20, 0.4)]) == pytest.approx((0.4 * 10 + 0.5 * 10) / 20)
+    runs = [dict(cell=c, engine=k, seed=s, auc=a) for s in range(3)
+            for c, k, a in [("pg_is", "float32", 0.50), ("dppo_tv", "float32", 0.60 + 0.01 * s),
+                            ("pg_is", "amplified", 0.30), ("dppo_tv", "amplified", 0.60 + 0.02 * s)]]
+    assert md.paired(runs, "pg_is", "amplified", "dppo_tv", "amplified", "auc") == pytest.approx([-0.3, -0.32, -0.34])
+    # interaction per seed: (-0.3 - 0.02 s) - (-0.1 - 0.01 s) = -0.2 - 0.01 s, all below 0: "mismatch-driven"
+    inter = [a - f for a, f in zip(md.paired(runs, "pg_is", "amplified", "dppo_tv", "amplified", "auc"),
+                                   md.paired(runs, "pg_is", "float32", "dppo_tv", "float32", "auc"))]
+    assert inter == pytest.approx([-0.2, -0.21, -0.22])
+
+
+def test_dose_study_calibration_runs_and_orders_the_candidates(tmp_path):
+    """--calibrate --quick: every candidate measured on real rollouts of a warm start; the float32 sampler is the
+    control (|pi - mu| at rounding) and coarser weight formats move mu further from pi (w4a8 > w8a8)."""
+    sys.path.insert(0, os.path.join(ROOT, "experiments"))
+    import mismatch_dose as md
+    result = md.main(["--calibrate", "--quick", "--out", str(tmp_path)])
+    r = result["results"]
+    assert r["float32"]["mean"] < F32_DP and r["w4a8"]["mean"] > r["w8a8"]["mean"] > F32_DP
+    assert result["pick"] in md.CANDIDATES and (tmp_path / "mismatch_dose.md").read_text().count("Stage 1") == 1
+
+
 def test_mismatch_study_quick_mode_runs_every_method_and_precision(tmp_path, monkeypatch):
     """experiments/mismatch.py --quick: every method at every sampler precision from two warm starts; the tables
     (named comparisons, P1-P3) and the figure written; bf16 and float8 samplers differ from the float32 trainer,
@@ -1672,6 +1706,20 @@ def test_cli_help_and_bad_flags(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------ notebook
+
+
+def test_walkthrough_notebook_reads_in_short_steps():
+    """Every code cell is introduced by prose and at most 30 lines; every markdown cell holds at most one section
+    heading and about 250 words at most; the cells are committed executed (outputs present)."""
+    import nbformat
+    cells = nbformat.read(os.path.join(ROOT, "walkthrough.ipynb"), as_version=4).cells
+    for i, cell in enumerate(cells):
+        if cell.cell_type == "code":
+            assert cells[i - 1].cell_type == "markdown" and len(cell.source.splitlines()) <= 30, cell.source[:80]
+            assert cell.execution_count is not None, cell.source[:80]  # committed executed
+        else:
+            assert len(cell.source.split()) <= 260, cell.source[:80]
+            assert sum(line.startswith("## ") for line in cell.source.splitlines()) <= 1, cell.source[:80]
 
 
 def test_walkthrough_notebook_executes():
