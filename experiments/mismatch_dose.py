@@ -87,7 +87,7 @@ from mismatch import collapse_step, holm, interval, p_value  # noqa: E402
 from samplers import CopySampler, Float8Sampler, RecomputedAnchor, float8_linears, round_input  # noqa: E402
 from stability import run_once  # noqa: E402  the first study's resumable run
 
-AMPLIFIED = None       # the calibration's pick (stage 1), committed before the pilot
+AMPLIFIED = "w4a8"     # the calibration's pick (stage 1; none reached 2e-2), committed before the pilot
 LR = None              # the pilot's (stage 2a), committed before the grid
 MARGIN = None          # the pilot's equivalence margin m (stage 2a)
 DELTA_MATCHED = None   # the pilot's (stage 2b)
