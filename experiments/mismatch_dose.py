@@ -88,9 +88,9 @@ from samplers import CopySampler, Float8Sampler, RecomputedAnchor, float8_linear
 from stability import run_once  # noqa: E402  the first study's resumable run
 
 AMPLIFIED = "w4a8"     # the calibration's pick (stage 1; none reached 2e-2), committed before the pilot
-LR = None              # the pilot's (stage 2a), committed before the grid
-MARGIN = None          # the pilot's equivalence margin m (stage 2a)
-DELTA_MATCHED = None   # the pilot's (stage 2b)
+LR = 2e-4              # the pilot's (stage 2a: 4e-4 collapsed on both seeds), committed before the grid
+MARGIN = 0.02          # the pilot's equivalence margin m (stage 2a: sd 0.004 / 2, raised to the floor 0.02)
+DELTA_MATCHED = 0.15   # the pilot's (stage 2b: ratio clip masked 0.0328, DPPO-TV at 0.10 0.0332, so the rule's 0.15)
 CANDIDATES = {"w8a8": (4, 3), "w6a8": (3, 2), "w4a8": (2, 1)}  # weight format: (exponent bits, mantissa bits)
 CALIBRATION_TARGET = 2e-2
 FULL = dict(seeds=list(range(12)), steps=200, eval_every=20, eval_size=500, prompts_per_step=16, group_size=8,
@@ -260,6 +260,9 @@ def run_grid(out, grid) -> list[dict]:
     warm = warm_starts(out, grid)
     summaries = []
     for name, (fields, kinds, anchor, offset) in CELLS.items():
+        if name == "dppo_tv_match" and DELTA_MATCHED == 0.15:  # the same runs as dppo_tv's amplified cell: reused
+            summaries += [dict(s, cell=name) for s in summaries if (s["cell"], s["engine"]) == ("dppo_tv", "amplified")]
+            continue
         if name == "dppo_tv_match":
             fields = dict(fields, delta_low=DELTA_MATCHED, delta_high=DELTA_MATCHED)
         for kind in (["float32", "amplified"] if kinds == "both" else [kinds]):
