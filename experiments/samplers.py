@@ -81,7 +81,11 @@ class Float8Sampler(CopySampler):
     def sync(self, model) -> None:
         super().sync(model)
         for module in self.linears:
-            module.weight.copy_(round_to_float8(module.weight, 1))
+            module.weight.copy_(self.round_weight(module.weight))
+
+    def round_weight(self, w: torch.Tensor) -> torch.Tensor:
+        """The engine's weight format: float8 e4m3, one scale per output channel (a coarser engine overrides it)."""
+        return round_to_float8(w, 1)
 
 
 def round_input(module, args):
