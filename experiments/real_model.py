@@ -47,6 +47,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # dppo.py sits one folder up
 import dppo  # noqa: E402
+from compare import compared_loss, with_shares  # noqa: E402
 from samplers import make_sampler  # noqa: E402
 
 RUNS = {"dppo_tv": (dict(loss="dppo", divergence="binary_tv"), [0, 1]),
@@ -120,9 +121,9 @@ def run_all(out: str, model_dir: str, settings: dict) -> tuple[dict, list[dict]]
             sampler = make_sampler(kw.pop("sampler", "float32"))
             cfg = dppo.Config(out_dir=run_dir, resume=True) if resume else \
                 dppo.Config(model=model_dir, out_dir=run_dir, seed=seed, quiet=True, overwrite=True, **settings, **kw)
-            dppo.train(cfg, sampler=sampler)
+            dppo.train(cfg, sampler=sampler, loss_fn=compared_loss)
             acc, samples, stats = held_out(os.path.join(run_dir, "model"), settings)
-            rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+            rows = [with_shares(json.loads(line)) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
             json.dump(dict(variant=variant, seed=seed, rows=rows, final_acc_reevaluated=acc, samples=samples,
                            seconds=time.time() - t0, resumed=resume, **stats), open(done, "w"))
             os.remove(os.path.join(run_dir, "checkpoint.pt"))  # 1.6 GB of weights and AdamW state; model/ stays

@@ -36,7 +36,8 @@ def round_to_float8(x: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 class CopySampler:
-    """sample_with_topk on a copy of the policy in `dtype`, its weights synced from the policy before each call."""
+    """sample_with_topk on a copy of the policy with its weights in `dtype`, synced from the policy before each call.
+    Only the weights are cast: float32 buffers (rotary frequencies) stay float32, as an engine keeps them."""
 
     def __init__(self, dtype: torch.dtype = torch.float32):
         self.dtype = dtype
@@ -47,7 +48,10 @@ class CopySampler:
 
     def sync(self, model) -> None:
         if self.copy is None:
-            self.copy = copy.deepcopy(model).to(self.dtype)
+            self.copy = copy.deepcopy(model)
+            with torch.no_grad():
+                for p in self.copy.parameters():  # (not .to(dtype), which casts the buffers too)
+                    p.data = p.data.to(self.dtype)
             self.prepare(self.copy)
         self.copy.load_state_dict(model.state_dict())
 
@@ -111,9 +115,10 @@ class LaggedSampler:
 
 class RecomputedAnchor:
     """The rollout of `inner` (None: the policy itself) with log mu(a_t) and mu's top-K log-probs replaced by pi_old,
-    the trainer's float32 scores of the same tokens before any update (dropout off, as the trainer scores), so that
-    the loss measures w and D against pi_old, as a trainer that recomputes the old policy does. The gap it hides,
-    |pi_old(a_t) - mu(a_t)| over the completion tokens, is appended to .log per rollout (greedy calls pass through)."""
+    the trainer's float32 scores of the same tokens before any update (in dppo.scoring_mode, as the trainer scores),
+    so that the loss measures w and D against pi_old, as a trainer that recomputes the old policy does. The gap it
+    hides, |pi_old(a_t) - mu(a_t)| over the completion tokens, is appended to .log per rollout (greedy calls pass
+    through)."""
 
     def __init__(self, inner=None):
         self.inner = inner or dppo.sample_with_topk
@@ -124,7 +129,7 @@ class RecomputedAnchor:
         ro = self.inner(model, prompt_ids, prompt_mask, **kw)
         if kw.get("greedy"):
             return ro
-        dppo.disable_dropout(model)
+        dppo.scoring_mode(model)  # as the trainer scores: no train-only noise
         logp, topk_logp = dppo.policy_logprobs(model, prompt_ids, prompt_mask, ro.completion_ids, ro.completion_mask,
                                                temperature=kw["temperature"], topk_ids=ro.topk_ids)  # (B, T), (B, T, K)
         logp = logp * ro.completion_mask  # (padding: log-prob 0, as captured)

@@ -37,6 +37,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # dppo.py sits one folder up
 import dppo  # noqa: E402
+from compare import compared_loss, with_shares  # noqa: E402
 from samplers import make_sampler  # noqa: E402
 
 VARIANTS = {
@@ -62,13 +63,14 @@ def config_kw(variant: dict) -> dict:
 
 def run_once(run_dir: str, cfg, summarise, sampler=None, **meta) -> dict:
     """One resumable run: trained (afresh) unless run_dir/summary.json exists, sampling with `sampler` (None: the
-    policy itself); its summary = summarise(metrics rows) | meta. A RecomputedAnchor's per-rollout gap replaces the
-    steps' mismatch_dp_* (which its loss measured against pi_old) and adds anchor_dp_mean, as a study reads them."""
+    policy itself), both rules' masks compared on its tokens (compare.py); its summary = summarise(metrics rows) |
+    meta. A RecomputedAnchor's per-rollout gap replaces the steps' mismatch_dp_* (which its loss measured against
+    pi_old) and adds anchor_dp_mean, as a study reads them."""
     done = os.path.join(run_dir, "summary.json")
     if not os.path.exists(done):
         t0 = time.time()
-        dppo.train(dataclasses.replace(cfg, overwrite=True), sampler=sampler)
-        rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+        dppo.train(dataclasses.replace(cfg, overwrite=True), sampler=sampler, loss_fn=compared_loss)
+        rows = [with_shares(json.loads(line)) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
         for row, gap in zip([r for r in rows if "reward" in r], getattr(sampler, "log", [])):
             row.update(gap)
         json.dump(summarise(rows) | meta | dict(seconds=time.time() - t0), open(done, "w"))
