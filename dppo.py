@@ -803,13 +803,14 @@ def read_dataset(cfg: Config):
     if os.path.isdir(source):
         files = {s: sorted(glob.glob(os.path.join(source, f"{s}.*"))) for s in ("train", "test")}
         files = {s: names for s, names in files.items() if names}
+    ext = os.path.splitext(files.get("train", [""])[0])[1] if files is not None else None  # the train file's format
     try:
         if files is None:  # a hub id
             ds = load_dataset(source, "main" if source == "openai/gsm8k" else None)
-        elif os.path.splitext(files.get("train", [""])[0])[1] not in FORMATS:
+        elif ext not in FORMATS:
             raise ValueError(f"no train file ending in {', '.join(FORMATS)}")
         else:
-            ds = load_dataset(FORMATS[os.path.splitext(files["train"][0])[1]], data_files=files)
+            ds = load_dataset(FORMATS[ext], data_files=files)
     except Exception as e:  # no such file or dataset (offline: the hub is out of reach), not of its format, ...
         raise ConfigError(f"--task {cfg.task}: cannot read {source} ({_why(e)}); give a .jsonl, .json, .csv or "
                           ".parquet file, a directory of train.* and test.* files, or a hub id") from None
@@ -869,9 +870,10 @@ def trl_reward(fn):
     """fn called as TRL's GRPOTrainer calls a reward function: keywords prompts and completions (assistant messages
     when the prompts are chat messages) and every other column of the rows; one number per completion back, None
     counted as 0.0 (said once). Anything else raises RewardError naming the function and what it returned."""
-    name, said = getattr(fn, "__name__", type(fn).__name__), []
+    name, said = getattr(fn, "__name__", type(fn).__name__), False
 
     def reward(prompts, completions, **columns) -> list[float]:
+        nonlocal said
         if prompts and isinstance(prompts[0], list):  # chat prompts: each completion as the assistant's message
             completions = [[{"role": "assistant", "content": c}] for c in completions]
         try:
@@ -883,7 +885,7 @@ def trl_reward(fn):
             raise RewardError(f"the reward function {name} returned {str(out)[:80]!r}: need {len(prompts)} finite "
                               "numbers (or None), one per completion")
         if None in out and not said:
-            said.append(True)
+            said = True
             print(f"{name} returned None for {list(out).count(None)} of {len(out)} completions: reward 0 (said once)")
         return [0.0 if v is None else float(v) for v in out]
     return reward
