@@ -425,7 +425,7 @@ def sample_with_topk(model, prompt_ids, prompt_mask, *, max_new_tokens, temperat
 
 def _draw(probs, generator):
     """One token a row from probs (B, V) by inverse CDF: B uniforms, where torch.multinomial draws B*V exponentials
-    on a CPU (65 ms a step at B = 64, V = 49k, against 17). A token of probability 0 has an empty step: never drawn."""
+    on a CPU (67 ms a step at B = 64, V = 49k, against 4.5; docs/benchmarks.md). A 0-probability token: never drawn."""
     dtype = torch.float32 if probs.device.type == "mps" else torch.float64  # (MPS has no float64)
     cdf = probs.cumsum(-1, dtype=dtype)                                                    # (B, V)
     u = torch.rand(len(probs), 1, generator=generator, device=probs.device, dtype=dtype) * cdf[:, -1:]  # [0, sum)
