@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import glob
 import importlib
 import importlib.util
@@ -120,16 +121,18 @@ LOG_RATIO_CLAMP = 20.0  # |log pi - log mu| is clamped before exp so the weight 
 DIVERGENCE_DEFAULT_DELTA = {"tv": 0.15, "kl": 0.05}  # the paper's deltas by divergence family
 
 
-def _check_logprobs(**tensors) -> None:
-    """Each tensor finite and <= 0 up to float32 rounding at its scale (64 ulps of 1 + |min|), so that logits or
-    probabilities passed as log-probs are refused, not clamped to 0. One reduction per tensor."""
-    for name, t in tensors.items():
-        if t is None or t.numel() == 0:
-            continue
-        lo, hi = (float(x) for x in torch.aminmax(t.detach()))
+def _check_values(finite: Optional[dict] = None, **logprobs) -> None:
+    """Every tensor finite; those named as keywords also log-probs: <= 0 up to float32 rounding at their scale (64
+    ulps of 1 + |min|), so that logits or probabilities passed as log-probs are refused, not clamped to 0. All the
+    tensors' ranges are read in one host sync."""
+    named = {k: t for k, t in {**(finite or {}), **logprobs}.items() if t is not None and t.numel()}
+    if not named:
+        return
+    ranges = [torch.stack(torch.aminmax(t.detach())).float() for t in named.values()]  # (2,) each: min, max
+    for name, (lo, hi) in zip(named, torch.stack(ranges).tolist()):                   # the one host sync
         if not (math.isfinite(lo) and math.isfinite(hi)):
-            raise ValueError(f"{name} contains NaN or inf; log-probs must be finite (drop or repair the sequence)")
-        if hi > 64 * torch.finfo(torch.float32).eps * (1.0 - lo):
+            raise ValueError(f"{name} contains NaN or inf; it must be finite (drop or repair the sequence)")
+        if name in logprobs and hi > 64 * torch.finfo(torch.float32).eps * (1.0 - lo):
             raise ValueError(f"{name} holds values above 0 (up to {hi:.3g}): not log-probs; were logits or "
                              "probabilities passed? (log-probs: torch.log_softmax(logits / T, dim=-1))")
 
@@ -171,19 +174,21 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale_by_std: bool 
 
 
 # --- Divergence estimates: D(mu || pi) per token, (B, T) -> (B, T) ----------------------------------------
-def binary_tv(logp: torch.Tensor, logp_mu: torch.Tensor) -> torch.Tensor:
+def binary_tv(logp: torch.Tensor, logp_mu: torch.Tensor, *, check: bool = True) -> torch.Tensor:
     """Binary TV (Eq. 13): D = |mu(a_t) - pi(a_t)|, the TV of the partition {a_t, rest}: the 1/2 of TV meets
-    |mu - pi| twice, once for a_t and once for the rest, 1/2 (|d| + |-d|) = |d|."""
-    _check_shape("logp_mu", logp_mu, logp.shape)
-    _check_logprobs(logp=logp, logp_mu=logp_mu)
+    |mu - pi| twice, once for a_t and once for the rest, 1/2 (|d| + |-d|) = |d|. check=False: the caller checked."""
+    if check:
+        _check_shape("logp_mu", logp_mu, logp.shape)
+        _check_values(logp=logp, logp_mu=logp_mu)
     return (_logp32(logp).exp() - _logp32(logp_mu).exp()).abs()  # (B, T)
 
 
-def binary_kl(logp: torch.Tensor, logp_mu: torch.Tensor) -> torch.Tensor:
+def binary_kl(logp: torch.Tensor, logp_mu: torch.Tensor, *, check: bool = True) -> torch.Tensor:
     """Binary KL (Eq. 14): D = mu log(mu/pi) + (1-mu) log((1-mu)/(1-pi)), mu and pi the sampled token's
     probabilities; the second term in log1p form so that p -> 1 stays finite in float32."""
-    _check_shape("logp_mu", logp_mu, logp.shape)
-    _check_logprobs(logp=logp, logp_mu=logp_mu)
+    if check:
+        _check_shape("logp_mu", logp_mu, logp.shape)
+        _check_values(logp=logp, logp_mu=logp_mu)
     lq = _logp32(logp).clamp_max(LOG1M_GUARD)     # (B, T) log pi(a_t)
     lp = _logp32(logp_mu).clamp_max(LOG1M_GUARD)  # (B, T) log mu(a_t)
     p_mu = lp.exp()                               # mu(a_t)
@@ -200,21 +205,23 @@ def _topk_buckets(topk_logp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return logs.exp(), logs
 
 
-def topk_tv(topk_logp: torch.Tensor, topk_logp_mu: torch.Tensor) -> torch.Tensor:
+def topk_tv(topk_logp: torch.Tensor, topk_logp_mu: torch.Tensor, *, check: bool = True) -> torch.Tensor:
     """Top-K TV (Eq. 15): 1/2 sum over A'_t = TopK(mu) + {a_t}, plus the 'other' bucket, of |mu - pi|; merging tokens
     into buckets never raises TV, so it bounds the exact TV from below (App. B)."""
-    _check_shape("topk_logp_mu", topk_logp_mu, topk_logp.shape)  # the same K ids under both policies
-    _check_logprobs(topk_logp=topk_logp, topk_logp_mu=topk_logp_mu)
+    if check:
+        _check_shape("topk_logp_mu", topk_logp_mu, topk_logp.shape)  # the same K ids under both policies
+        _check_values(topk_logp=topk_logp, topk_logp_mu=topk_logp_mu)
     p, _ = _topk_buckets(topk_logp)        # (B, T, K+1)
     p_mu, _ = _topk_buckets(topk_logp_mu)  # (B, T, K+1)
     return 0.5 * (p_mu - p).abs().sum(-1)  # (B, T)
 
 
-def topk_kl(topk_logp: torch.Tensor, topk_logp_mu: torch.Tensor) -> torch.Tensor:
+def topk_kl(topk_logp: torch.Tensor, topk_logp_mu: torch.Tensor, *, check: bool = True) -> torch.Tensor:
     """Top-K KL (Eq. 16): sum over A'_t plus the 'other' bucket of mu (log mu - log pi); a lower bound on the exact
     KL by the log-sum inequality (App. B)."""
-    _check_shape("topk_logp_mu", topk_logp_mu, topk_logp.shape)  # the same K ids under both policies
-    _check_logprobs(topk_logp=topk_logp, topk_logp_mu=topk_logp_mu)
+    if check:
+        _check_shape("topk_logp_mu", topk_logp_mu, topk_logp.shape)  # the same K ids under both policies
+        _check_values(topk_logp=topk_logp, topk_logp_mu=topk_logp_mu)
     _, logs = _topk_buckets(topk_logp)           # (B, T, K+1)
     p_mu, logs_mu = _topk_buckets(topk_logp_mu)  # (B, T, K+1)
     return (p_mu * (logs_mu - logs)).sum(-1).clamp_min(0.0)  # (B, T)
@@ -271,14 +278,14 @@ def _loss_stats(lp, lmu, adv, valid, kept, div) -> dict:
     }
 
 
-def _check_loss_inputs(logp, logp_mu, advantages, completion_mask) -> None:
+def _check_loss_inputs(logp, logp_mu, advantages, completion_mask, **topk) -> None:
+    """A loss's inputs: the shapes, then every value in one host sync (topk: top-K log-probs; None: skipped)."""
     if logp.dim() != 2:
         raise ValueError(f"logp must be (B, T), got shape {tuple(logp.shape)}")
     _check_shape("logp_mu", logp_mu, logp.shape)
     _check_shape("completion_mask", completion_mask, logp.shape)
     _per_token(advantages, logp)  # (its shape)
-    if not bool(torch.isfinite(advantages).all()):
-        raise ValueError("advantages contains NaN or inf")
+    _check_values({"advantages": advantages}, logp=logp, logp_mu=logp_mu, **topk)
 
 
 def dppo_loss(logp, logp_mu, advantages, completion_mask, *, divergence_type="binary_tv", delta_low=None,
@@ -296,16 +303,16 @@ def dppo_loss(logp, logp_mu, advantages, completion_mask, *, divergence_type="bi
     cap = math.inf if ratio_cap is None else ratio_cap  # no cap: plain importance sampling
     if not cap > 0:
         raise ValueError(f"ratio_cap must be in (0, inf], got {ratio_cap}")
-    _check_loss_inputs(logp, logp_mu, advantages, completion_mask)
-    if divergence_type.startswith("topk"):
-        if topk_logp is None or topk_logp_mu is None:
-            raise ValueError(f"{divergence_type} needs topk_logp and topk_logp_mu, (B, T, K) each")
-        if topk_logp.dim() != 3 or topk_logp.shape[:2] != logp.shape:
-            raise ValueError(f"topk_logp must be (B, T, K), (B, T) = {tuple(logp.shape)}, got {tuple(topk_logp.shape)}")
-        _check_logprobs(logp=logp, logp_mu=logp_mu)                           # (the binary ones check these)
-        div = DIVERGENCES[divergence_type](topk_logp.detach(), topk_logp_mu)  # (B, T)
-    else:
-        div = DIVERGENCES[divergence_type](logp.detach(), logp_mu)            # (B, T)
+    on_topk = divergence_type.startswith("topk")  # the divergence reads the top-K log-probs
+    if on_topk and (topk_logp is None or topk_logp_mu is None):
+        raise ValueError(f"{divergence_type} needs topk_logp and topk_logp_mu, (B, T, K) each")
+    if on_topk and (topk_logp.dim() != 3 or topk_logp.shape[:2] != logp.shape):
+        raise ValueError(f"topk_logp must be (B, T, K), (B, T) = {tuple(logp.shape)}, got {tuple(topk_logp.shape)}")
+    if on_topk:
+        _check_shape("topk_logp_mu", topk_logp_mu, topk_logp.shape)  # the same K ids under both policies
+    _check_loss_inputs(logp, logp_mu, advantages, completion_mask, topk_logp=topk_logp, topk_logp_mu=topk_logp_mu)
+    inputs = (topk_logp.detach(), topk_logp_mu) if on_topk else (logp.detach(), logp_mu)
+    div = DIVERGENCES[divergence_type](*inputs, check=False)  # (B, T); every input was checked once above
     lp, lmu = _logp32(logp), _logp32(logp_mu)                  # (B, T) float32; lp keeps its gradient
     adv = _per_token(advantages, lp)                           # (B, T)
     valid = completion_mask.float()                            # (B, T)
@@ -324,7 +331,6 @@ def ratio_clip_loss(logp, logp_mu, advantages, completion_mask, *, eps_low=0.2, 
     if not eps_high >= 0:
         raise ValueError(f"eps_high must be in [0, inf], got {eps_high}")
     _check_loss_inputs(logp, logp_mu, advantages, completion_mask)
-    _check_logprobs(logp=logp, logp_mu=logp_mu)
     lp, lmu = _logp32(logp), _logp32(logp_mu)                          # (B, T)
     adv = _per_token(advantages, lp)                                   # (B, T)
     valid = completion_mask.float()                                    # (B, T)
@@ -371,11 +377,12 @@ class Rollout:
 
 @torch.no_grad()  # sampling only records mu; gradients come from the training forward
 def sample_with_topk(model, prompt_ids, prompt_mask, *, max_new_tokens, temperature=1.0, topk=20,
-                     eos_token_id, pad_token_id, generator=None, greedy=False) -> Rollout:
+                     eos_token_id, pad_token_id, generator=None, greedy=False, decoding=None) -> Rollout:
     """Sample from softmax(logits / T) over the whole vocabulary (no top-k / top-p truncation), recording log mu(a_t)
-    and, for topk > 0, mu's top-K ids and log-probs; memory O(B*T*K), never a (B, V) tensor kept per step. Prompts
-    left-padded (B, P); eos_token_id: one id or a list (a negative id ends nothing); greedy: argmax. The model's own
-    forward and KV cache (a model that returns no cache reruns its prefix), in eval mode: dropout off."""
+    and, for topk > 0, mu's top-K ids and log-probs; memory O(B*T*K), never a (B, V) tensor kept per step.
+    Prompts are left-padded (B, P). eos_token_id is one id or a list (a negative id ends nothing); greedy: argmax.
+    The model runs in eval mode (dropout off) and in the caller's precision (autocast), its head in float32.
+    decoding makes the forwards: CachedDecoding (the model's own KV cache) unless another is handed in."""
     V = model.get_output_embeddings().weight.shape[0]
     if not (0 < temperature < math.inf and max_new_tokens >= 1 and 0 <= topk <= V):
         raise ValueError(f"need temperature > 0 and finite, max_new_tokens >= 1 and topk in [0, V], got {temperature}, "
@@ -387,10 +394,9 @@ def sample_with_topk(model, prompt_ids, prompt_mask, *, max_new_tokens, temperat
     model.eval()  # dropout off: mu must be the distribution the trainer will score
     B, device = prompt_ids.shape[0], prompt_ids.device
     eos = torch.as_tensor(eos_token_id, device=device).view(-1)  # (E,) every id that ends a completion
-    attn = prompt_mask.long()                                    # (B, P) left padding: positions count from 0
-    out = model(input_ids=prompt_ids, attention_mask=attn, position_ids=(attn.cumsum(-1) - 1).clamp_min(0),
-                use_cache=True, logits_to_keep=1)                # the prompts' forward (prefill)
+    forward = (decoding or CachedDecoding)(model, prompt_ids, prompt_mask, max_new_tokens)
     finished = torch.zeros(B, dtype=torch.bool, device=device)   # (B,)
+    blew_up = torch.zeros((), dtype=torch.bool, device=device)   # any NaN or inf logits so far
     f32 = dict(device=device, dtype=torch.float32)
     ids = torch.full((B, max_new_tokens), pad_token_id, dtype=torch.long, device=device)    # (B, T_max)
     logp_mu = torch.zeros(B, max_new_tokens, **f32)                                         # (B, T_max)
@@ -398,11 +404,11 @@ def sample_with_topk(model, prompt_ids, prompt_mask, *, max_new_tokens, temperat
     topk_ids = torch.zeros(B, max_new_tokens, max(topk, 1), dtype=torch.long, device=device)  # (B, T_max, K)
     topk_logp_mu = torch.zeros(B, max_new_tokens, max(topk, 1), **f32)                        # (B, T_max, K)
     for t in range(max_new_tokens):
-        logp_full = torch.log_softmax(out.logits[:, -1].float() / temperature, dim=-1)  # (B, V), this step only
-        if not bool(torch.isfinite(logp_full.amax(-1)).all()):  # weights that blew up: NaN or inf logits
-            raise FloatingPointError("the policy's logits are NaN or inf")
+        logits = forward.next_logits(ids[:, :t])                                        # (B, V) float32
+        logp_full = torch.log_softmax(logits / temperature, dim=-1)                     # (B, V), this step only
+        blew_up |= ~torch.isfinite(logp_full.amax(-1)).all()                            # (no host sync)
         probs = logp_full.exp()                                                         # (B, V)
-        tok = logp_full.argmax(-1) if greedy else _draw(probs, generator)                  # (B,)
+        tok = logp_full.argmax(-1) if greedy else _draw(probs, generator)               # (B,)
         tok = torch.where(finished, torch.full_like(tok, pad_token_id), tok)
         lp_tok = logp_full.gather(-1, tok[:, None]).squeeze(-1)                         # (B,)
         ids[:, t] = tok
@@ -411,11 +417,11 @@ def sample_with_topk(model, prompt_ids, prompt_mask, *, max_new_tokens, temperat
         if topk > 0:
             topk_ids[:, t], topk_logp_mu[:, t] = _capture_topk(logp_full, tok, lp_tok, topk)  # (B, K) each
         finished |= torch.isin(tok, eos)
-        if bool(finished.all()) or t == max_new_tokens - 1:
+        if t == max_new_tokens - 1 or bool(finished.all() | blew_up):  # the step's one host sync
             break  # (no forward for a token that will not be sampled)
-        attn = torch.cat([attn, torch.ones_like(attn[:, :1])], dim=-1)                 # (B, P + t + 1)
-        out = _decode(model, out, prompt_ids, ids[:, :t + 1], attn)                   # the next position's logits
     model.train(was_training)
+    if bool(blew_up):  # weights that blew up: NaN or inf logits
+        raise FloatingPointError("the policy's logits are NaN or inf")
     T = t + 1                                                                           # steps actually taken
     mask = completion_mask_from_ids(ids[:, :T], eos_token_id)                           # (B, T)
     return Rollout(completion_ids=torch.where(mask.bool(), ids[:, :T], pad_token_id), completion_mask=mask,
@@ -433,20 +439,32 @@ def _draw(probs, generator):
     return torch.searchsorted(cdf, u, right=True).minimum(last).squeeze(-1)                # (B,)
 
 
-def _decode(model, out, prompt_ids, sampled, attn):
-    """The next position's forward: the last sampled token against the cache `out` returned, its inputs built by the
-    model's own prepare_inputs_for_generation (as its generate() does: Mamba drops the mask there); with no cache
-    (RecurrentGemma keeps its state inside), the whole prefix again. (B, P), (B, t + 1), (B, P + t + 1)."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # (a peft model: its base's)
-    cache_kw = "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"  # < 5.20
-    cache = getattr(out, cache_kw, None)
-    positions = (attn.cumsum(-1) - 1).clamp_min(0)                                     # (B, P + t + 1)
-    if cache is None:
-        prefix = torch.cat([prompt_ids, sampled], dim=-1)                                # (B, P + t + 1)
-        return model(input_ids=prefix, attention_mask=attn, position_ids=positions, use_cache=False, logits_to_keep=1)
-    step = model.prepare_inputs_for_generation(sampled[:, -1:], attention_mask=attn, position_ids=positions[:, -1:],
-                                               use_cache=True, **{cache_kw: cache})  # one token: nothing to slice
-    return model(**step)
+class CachedDecoding:
+    """The sampler's forwards through the model's own forward and KV cache: the prompts once (prefill), then the last
+    sampled token against the cache the previous call returned, its inputs built by the model's own
+    prepare_inputs_for_generation (as its generate() does: Mamba drops the mask there). A model that returns no
+    cache (RecurrentGemma keeps its state inside) reruns the whole prefix."""
+
+    def __init__(self, model, prompt_ids, prompt_mask, max_new_tokens):
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model  # (a peft model: its base's)
+        self.cache_kw = "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
+        self.model, self.prompt_ids, self.prompt_mask = model, prompt_ids, prompt_mask.long()  # (B, P) each
+        self.out = None  # the last forward's output, holding the cache
+
+    def next_logits(self, sampled):
+        """The logits (B, V) in float32 for the position after `sampled` (B, t), the completion so far."""
+        attn = torch.cat([self.prompt_mask, torch.ones_like(sampled)], dim=-1)            # (B, P + t)
+        positions = (attn.cumsum(-1) - 1).clamp_min(0)                                   # left padding: from 0
+        cache = getattr(self.out, self.cache_kw, None)
+        with _head_in_float32(self.model.get_output_embeddings()):  # the head in float32, as the trainer scores
+            if self.out is None or cache is None:  # the prefill, or a model without a cache: the whole prefix
+                self.out = self.model(input_ids=torch.cat([self.prompt_ids, sampled], dim=-1), attention_mask=attn,
+                                      position_ids=positions, use_cache=self.out is None, logits_to_keep=1)
+            else:  # one token against the cache: nothing to slice
+                self.out = self.model(**self.model.prepare_inputs_for_generation(
+                    sampled[:, -1:], attention_mask=attn, position_ids=positions[:, -1:], use_cache=True,
+                    **{self.cache_kw: cache}))
+        return self.out.logits[:, -1].float()                                             # (B, V)
 
 
 def _capture_topk(logp_full, tok, lp_tok, k):
@@ -467,6 +485,11 @@ def completion_mask_from_ids(ids: torch.Tensor, eos_token_id) -> torch.Tensor:
 
 
 # --- Scoring: log pi at the sampled tokens (and mu's top-K ids), the head in float32 ---------------------
+def trainer_precision(device, dtype: str):
+    """The precision pi is scored and mu sampled in: bf16 autocast over float32 weights, or float32 (autocast off)."""
+    return torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=dtype == "bfloat16")
+
+
 def _tempered_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
     """log softmax(logits / T) in float32 at the target ids: (B, c, V), (B, c, J) -> (B, c, J)."""
     z = logits.float() / temperature                                # (B, c, V)
@@ -482,7 +505,7 @@ def _head_in_float32(head):
     def before(module, args):
         was.append(torch.is_autocast_enabled(args[0].device.type))
         torch.set_autocast_enabled(args[0].device.type, False)
-        return (args[0].float(), *args[1:])
+        return (args[0].to(module.weight.dtype), *args[1:])  # float32 weights: float32 (bf16 ones: a bf16 copy's)
 
     def after(module, args, output):
         torch.set_autocast_enabled(args[0].device.type, was.pop())
@@ -576,9 +599,10 @@ def captured_topk(cfg: Config) -> int:
 def complete(model, tok, prompts, cfg: Config, sampler, generator=None, greedy=False):
     """Prompts completed by `sampler` (sample_with_topk's signature) -> (B, P) ids and mask, Rollout, texts."""
     prompt_ids, prompt_mask = encode_prompts(tok, prompts, model.device)       # (B, P) each
-    ro = sampler(model, prompt_ids, prompt_mask, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-                 topk=0 if greedy else captured_topk(cfg), eos_token_id=eos_token_ids(tok, model),
-                 pad_token_id=tok.pad_token_id, generator=generator, greedy=greedy)
+    with trainer_precision(model.device, cfg.dtype):  # mu sampled in the precision pi is scored in
+        ro = sampler(model, prompt_ids, prompt_mask, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+                     topk=0 if greedy else captured_topk(cfg), eos_token_id=eos_token_ids(tok, model),
+                     pad_token_id=tok.pad_token_id, generator=generator, greedy=greedy)
     texts = [tok.decode(ids[m.bool()].tolist(), skip_special_tokens=True)
              for ids, m in zip(ro.completion_ids, ro.completion_mask)]
     return prompt_ids, prompt_mask, ro, texts
@@ -627,10 +651,11 @@ def microbatches(rows: torch.Tensor, prompt_len: torch.Tensor, completion_len: t
 def score_rows(model, batch: Batch, i, cfg: Config, via_head=False):
     """Rows i, trimmed to their longest prompt and completion T': policy_logprobs' (b, T') and (b, T', K) or None."""
     ro = batch.rollout
-    P = batch.prompt_ids.shape[1] - int(batch.prompt_mask[i].sum(-1).max())  # left padding all rows i share
-    T = int(ro.completion_mask[i].sum(-1).max())
+    longest = torch.stack([batch.prompt_mask[i].sum(-1).max(), ro.completion_mask[i].sum(-1).max()])
+    prompt_len, T = (int(x) for x in longest.tolist())  # the rows' longest prompt and completion: one host sync
+    P = batch.prompt_ids.shape[1] - prompt_len          # left padding all rows i share
     topk_ids = ro.topk_ids[i, :T] if ro.topk_ids is not None else None
-    with torch.autocast(batch.advantages.device.type, dtype=torch.bfloat16, enabled=cfg.dtype == "bfloat16"):
+    with trainer_precision(batch.advantages.device, cfg.dtype):
         logp, topk_logp = policy_logprobs(model, batch.prompt_ids[i, P:], batch.prompt_mask[i, P:],
                                           ro.completion_ids[i, :T], ro.completion_mask[i, :T],
                                           temperature=cfg.temperature, topk_ids=topk_ids, via_head=via_head)
@@ -658,10 +683,10 @@ def update_policy(model, opt, batch: Batch, cfg: Config, gen, loss_fn=rows_loss,
     ro, adv = batch.rollout, batch.advantages
     if not 1 <= cfg.num_minibatches <= len(adv):
         raise ValueError(f"num_minibatches must be in [1, {len(adv)}] (the rollout's rows), got {cfg.num_minibatches}")
-    p_len, c_len = batch.prompt_mask.sum(-1), ro.completion_mask.sum(-1)        # (B,) each
+    p_len, c_len = batch.prompt_mask.sum(-1).cpu(), ro.completion_mask.sum(-1).cpu()  # (B,) each, on the host once
     scoring_mode(model)  # as mu sampled: no train-only noise (checkpointed layers flagged for recompute)
     parts, first, norms = [], 0, []  # every micro-batch's statistics; how many belong to mini-batch 1; grad norms
-    for idx in torch.randperm(len(adv), generator=gen).to(adv.device).tensor_split(cfg.num_minibatches):
+    for idx in torch.randperm(len(adv), generator=gen).tensor_split(cfg.num_minibatches):  # row ids, on the host
         n = ro.completion_mask[idx].sum().clamp_min(1)                         # the mini-batch's tokens
         opt.zero_grad(set_to_none=True)
         for i in microbatches(idx, p_len, c_len, cfg.max_tokens_per_microbatch):
@@ -709,7 +734,7 @@ def train(cfg: Config, given: Optional[set] = None, sampler=None, loss_fn=rows_l
 
 
 # ##########################################################################################################
-# HARNESS: the task and model, the samplers (a bf16 copy, vLLM), validation, checkpoints, reporting, the CLI.
+# HARNESS: the task and model, the graphed decode step, vLLM, validation, checkpoints, reporting, the CLI.
 # The algorithm ends above; below is what a run needs around it.
 # ##########################################################################################################
 
@@ -957,17 +982,23 @@ def load_model_and_tokenizer(cfg: Config, device: torch.device):
 
 
 OWN_LOGITS_BYTES = 2 ** 30  # scored from its own logits: ~3 float32 (tokens, V) buffers a micro-batch, in bytes
-SCORING_GAP = 1e-3  # |log pi - log mu| allowed at load, float32 and same weights: rounding is ~1e-6, defects 5e-2+
+# |log pi - log mu| allowed at load, same weights, in the trainer's precision. float32: rounding is ~1e-6, defects
+# 5e-2 and up. bf16 rounds every layer's output to 8 bits, and a one-token decode step sums in another order than
+# the full forward: SmolLM2-135M (30 layers) measured 0.07-0.09 on the check's 24 tokens, so 32 bf16 eps (0.25)
+# refuses only a bf16 path that is off by more than its rounding; the float32 check runs first in any case.
+SCORING_GAP = {"float32": 1e-3, "bfloat16": 32 * torch.finfo(torch.bfloat16).eps}
 
 
 @torch.no_grad()
-def check_scoring(model, name: str = "the model", temperature: float = 1.0) -> bool:
-    """The load-time check of the model in hand, in float32 on a few tokens -> via_head for policy_logprobs. The model
-    must be causal (its scores of earlier tokens do not change with a later token: not a BERT loaded as a decoder);
+def check_scoring(model, name: str = "the model", temperature: float = 1.0, dtype: str = "float32",
+                  sampler=None) -> bool:
+    """The load-time check of the model in hand on a few tokens -> via_head for policy_logprobs. The model must be
+    causal (its scores of earlier tokens do not change with a later token: not a BERT loaded as a decoder);
     via_head: whether its logits are its head applied to its decoder's last hidden state (True: the chunked head
-    path) or not (False: its own logits; a cap or scale after the head, or no decoder to be found). Then tokens
-    sample_with_topk samples from left-padded, repeated prompts must score the same under policy_logprobs in the
-    trainer's mode (scoring_mode). Else ConfigError, one line naming the model class and the gap."""
+    path) or not (False: its own logits; a cap or scale after the head, or no decoder to be found); both in float32.
+    Then tokens `sampler` (default sample_with_topk) samples from left-padded, repeated prompts must score the same
+    under policy_logprobs in the trainer's mode (scoring_mode) and precision (dtype), within SCORING_GAP[dtype].
+    Else ConfigError, one line naming the model class and the gap."""
     V, device, was_training = model.get_output_embeddings().weight.shape[0], model.device, model.training
     model.eval()
     ids = torch.arange(3, 9, device=device)[None] % V                              # (1, 6)
@@ -986,17 +1017,94 @@ def check_scoring(model, name: str = "the model", temperature: float = 1.0) -> b
     prompts = prompts[[0, 1, 0, 1]]                                                # (4, 6) prompts twice each
     mask = torch.ones_like(prompts)
     mask[1:3, :2] = 0                                                              # two rows left-padded
-    ro = sample_with_topk(model, prompts, mask, max_new_tokens=6, temperature=temperature, topk=0, eos_token_id=-1,
-                          pad_token_id=0, generator=torch.Generator(device).manual_seed(0))
-    scoring_mode(model)  # the trainer's mode
-    logp, _ = policy_logprobs(model, prompts, mask, ro.completion_ids, ro.completion_mask, temperature=temperature,
-                              via_head=via_head)
+    for precision in dict.fromkeys(["float32", dtype]):  # float32 first: a defect shows there above rounding
+        with trainer_precision(device, precision):
+            ro = (sampler or sample_with_topk)(model, prompts, mask, max_new_tokens=6, temperature=temperature,
+                                               topk=0, eos_token_id=-1, pad_token_id=0,
+                                               generator=torch.Generator(device).manual_seed(0))
+            scoring_mode(model)  # the trainer's mode
+            logp, _ = policy_logprobs(model, prompts, mask, ro.completion_ids, ro.completion_mask,
+                                      temperature=temperature, via_head=via_head)
+        model.eval()
+        gap = float((logp - ro.logp_mu).abs().max())
+        if not gap <= SCORING_GAP[precision]:
+            model.train(was_training)
+            raise ConfigError(f"{name} ({type(model).__name__}) scores the tokens it sampled {gap:.3g} apart in "
+                              f"log-prob before any update in {precision} (allowed {SCORING_GAP[precision]:g}): "
+                              "DPPO's mu and pi would differ from step 0")
     model.train(was_training)
-    gap = float((logp - ro.logp_mu).abs().max())
-    if not gap <= SCORING_GAP:
-        raise ConfigError(f"{name} ({type(model).__name__}) scores the tokens it sampled {gap:.3g} apart in log-prob "
-                          f"before any update (allowed {SCORING_GAP:g}): DPPO's mu and pi would differ from step 0")
     return via_head
+
+
+# --- The graphed decode step (CUDA): a static KV cache, each step replayed as a CUDA graph --------------------
+GRAPH_MIN_TOKENS = 32  # completions shorter than this decode in too few steps to repay a compile (the toy's 4)
+
+
+class GraphedDecoding:
+    """CachedDecoding's contract on CUDA, handed to sample_with_topk by start_run: the decoder's one-token step on a
+    transformers StaticCache, compiled by torch.compile(mode="reduce-overhead") to replay as one CUDA graph, then the
+    head in float32; the prefill runs eagerly. One cache per batch size and precision, reset and reused (a new one
+    would recompile), as long as the longest prompt + completion seen (in steps of 128). compile=False: uncompiled."""
+
+    def __init__(self, model, compile: bool = True):
+        params = inspect.signature(model.get_decoder().forward).parameters
+        self.cache_kw = "cache" if "cache" in params else "past_key_values"  # (transformers < 5.20: the latter)
+        self.takes_cache_position = "cache_position" in params                 # (older transformers need it)
+        self.model, self.length, self.caches, self.compiled = model, 0, {}, compile
+        self.step = torch.compile(self.forward, mode="reduce-overhead") if compile else self.forward
+
+    def __call__(self, model, prompt_ids, prompt_mask, max_new_tokens):
+        """One sampling call's set-up: a reset cache for this batch size and precision, the (B, L) mask."""
+        from transformers import StaticCache
+        B, P = prompt_ids.shape
+        if P + max_new_tokens > self.length:  # longer than any call before: new caches (and a recompile)
+            self.length, self.caches = -(-(P + max_new_tokens) // 128) * 128, {}
+        key = (B, torch.is_autocast_enabled(prompt_ids.device.type))
+        if key not in self.caches:
+            self.caches[key] = StaticCache(config=self.model.config, max_cache_len=self.length)
+        self.cache = self.caches[key]
+        self.cache.reset()
+        self.attn = torch.ones(B, self.length, dtype=torch.long, device=prompt_ids.device)    # (B, L)
+        self.attn[:, :P] = prompt_mask
+        self.prompt_ids, self.prompt_len = prompt_ids, prompt_mask.sum(-1, keepdim=True)      # (B, P), (B, 1)
+        return self
+
+    def forward(self, input_ids, attn, position_ids, cache_position):
+        """The decoder on (B, q) tokens into the static cache, then the head on the last one: (B, V) float32."""
+        kw = {self.cache_kw: self.cache, "use_cache": True}
+        if self.takes_cache_position:
+            kw["cache_position"] = cache_position
+        h = self.model.get_decoder()(input_ids=input_ids, attention_mask=attn, position_ids=position_ids,
+                                     **kw).last_hidden_state[:, -1]                         # (B, H)
+        with torch.autocast(h.device.type, enabled=False):
+            return self.model.get_output_embeddings()(h.float()).float()                     # (B, V)
+
+    def next_logits(self, sampled):
+        """As CachedDecoding.next_logits: the logits (B, V) after the completion so far, `sampled` (B, t)."""
+        P, t, device = self.prompt_ids.shape[1], sampled.shape[1], sampled.device
+        if t == 0:  # the prefill, eagerly: positions count from 0 after the left padding
+            positions = (self.attn[:, :P].cumsum(-1) - 1).clamp_min(0)                      # (B, P)
+            return self.forward(self.prompt_ids, self.attn, positions, torch.arange(P, device=device))
+        if self.compiled:
+            torch.compiler.cudagraph_mark_step_begin()  # the last step's outputs are read: the graph may reuse them
+        slot = torch.full((1,), P + t - 1, device=device)                                    # the token's cache slot
+        return self.step(sampled[:, -1:], self.attn, self.prompt_len + t - 1, slot).clone()  # (B, V)
+
+
+def choose_decoding(model, cfg: Config, via_head: bool, name: str, compile: bool = True) -> tuple:
+    """The sampler's decode steps on CUDA -> (GraphedDecoding, or None for the plain steps; why, for the start line).
+    Graphed when the completions repay a compile, the model is scored through its head, and the static-cache steps
+    sample what the trainer scores (check_scoring on that path, in the run's precision)."""
+    if cfg.max_new_tokens < GRAPH_MIN_TOKENS:
+        return None, f"plain decode steps (completions under {GRAPH_MIN_TOKENS} tokens do not repay a compile)"
+    if not via_head:
+        return None, "plain decode steps (its logits are not its head on its decoder)"
+    graphed = GraphedDecoding(model, compile)
+    try:
+        check_scoring(model, name, cfg.temperature, cfg.dtype, functools.partial(sample_with_topk, decoding=graphed))
+    except Exception as e:  # no static cache for its layers (Mamba's state), or one that samples otherwise
+        return None, f"plain decode steps (a static cache does not serve it: {_why(e)[:100]})"
+    return graphed, "decode steps replayed as CUDA graphs from a static KV cache"
 
 
 def warm_start(model, tok, ds, cfg: Config, gen, batch_size=128) -> int:
@@ -1374,7 +1482,11 @@ def start_run(cfg: Config, given: Optional[set], sampler=None, dataset=None, rew
     model, tok = load_model_and_tokenizer(cfg, device)
     if cfg.gradient_checkpointing:  # non-reentrant: the weights get their gradients whatever the inputs
         model.gradient_checkpointing_enable({"use_reentrant": False})
-    via_head = check_scoring(model, f"--model {cfg.model}" if cfg.model else "the embedded model", cfg.temperature)
+    name = f"--model {cfg.model}" if cfg.model else "the embedded model"
+    via_head = check_scoring(model, name, cfg.temperature, cfg.dtype)  # sampled = scored, in the run's precision
+    decoding, decode_note = None, None  # sample_with_topk's own steps (a CPU or MPS device, or the engine, samples)
+    if device.type == "cuda" and not cfg.use_vllm:
+        decoding, decode_note = choose_decoding(model, cfg, via_head, name)
     if not via_head and cfg.max_tokens_per_microbatch is None:  # its own (B, T, V) logits: bound them by default
         V = model.get_output_embeddings().weight.shape[0]
         cfg = dataclasses.replace(cfg, max_tokens_per_microbatch=max(1, OWN_LOGITS_BYTES // (3 * 4 * V)))
@@ -1383,7 +1495,7 @@ def start_run(cfg: Config, given: Optional[set], sampler=None, dataset=None, rew
     # torch's fused AdamW where it has one: one pass over the weights a step (transformers' Trainer uses it too)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
                             fused=device.type in ("cpu", "cuda"))
-    eval_sampler = sample_with_topk
+    eval_sampler = functools.partial(sample_with_topk, decoding=decoding) if decoding else sample_with_topk
     if cfg.use_vllm:  # the engine loads a directory (the embedded model's is written first); weights are pushed
         if cfg.model is None and not os.path.exists(os.path.join(cfg.out_dir, "model", "config.json")):  # a new run
             model.save_pretrained(os.path.join(cfg.out_dir, "model"))
@@ -1395,7 +1507,7 @@ def start_run(cfg: Config, given: Optional[set], sampler=None, dataset=None, rew
     run = Run(cfg, model, tok, opt, ds, reward_fn, gen, sample_gen, sampler, eval_sampler, via_head)
     print(f"{cfg.model or 'embedded model'}: lr {cfg.lr:g}{' (its default; --lr to change)' if default_lr else ''}, "
           f"{cfg.dtype} trainer, {f'vLLM {cfg.vllm_dtype}' if cfg.use_vllm else 'the policy as'} sampler, "
-          f"{cfg.max_new_tokens} tokens; outputs in {cfg.out_dir}/")
+          f"{cfg.max_new_tokens} tokens{f', {decode_note}' if decode_note else ''}; outputs in {cfg.out_dir}/")
     if cfg.resume:
         restore(run)
     else:
@@ -1483,7 +1595,7 @@ def check_finite(run: Run, m: dict) -> None:
     """A NaN or inf loss, gradient norm or weight stops the run in one line (Stop) before anything is saved: the last
     checkpoint stays whole, and --resume with a lower --lr continues from it."""
     bad = [k for k in ("loss", "grad_norm") if not math.isfinite(m[k])]
-    if not all(bool(torch.isfinite(p).all()) for p in run.model.parameters()):
+    if not bool(torch.stack([torch.isfinite(p).all() for p in run.model.parameters()]).all()):  # one host sync
         bad.append("weights")
     if bad:
         raise blew_up(run, m["step"], f"non-finite {' and '.join(bad)} (NaN or inf)")

