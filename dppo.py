@@ -121,7 +121,7 @@ LOG_RATIO_CLAMP = 20.0  # |log pi - log mu| is clamped before exp so the weight 
 DIVERGENCE_DEFAULT_DELTA = {"tv": 0.15, "kl": 0.05}  # the paper's deltas by divergence family
 
 
-def _check_values(finite: Optional[dict] = None, **logprobs) -> None:
+def _check_values(finite=None, **logprobs) -> None:
     """Every tensor finite; those named as keywords also log-probs: <= 0 up to float32 rounding at their scale (64
     ulps of 1 + |min|), so that logits or probabilities passed as log-probs are refused, not clamped to 0. All the
     tensors' ranges are read in one host sync."""
