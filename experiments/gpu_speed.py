@@ -129,19 +129,12 @@ def run_dppo(model_dir: str, T: int, rollouts: int, device) -> dict:
 
 def run_trl(model_dir: str, T: int, rollouts: int, device) -> dict:
     import trl
+    from bench_dppo import trl_step_timer
     from datasets import Dataset
-    from transformers import AutoTokenizer, TrainerCallback
+    from transformers import AutoTokenizer
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    ends, lengths = [], []
-
-    class Timer(TrainerCallback):
-        def on_step_end(self, *args, **kwargs):
-            ends.append(time.time())
-
-        def on_log(self, args, state, control, logs=None, **kwargs):
-            if logs and "completions/mean_length" in logs:
-                lengths.append(float(logs["completions/mean_length"]))
+    step_ends, ends, lengths = trl_step_timer()
     with tempfile.TemporaryDirectory() as out:
         config = trl.GRPOConfig(output_dir=out, max_steps=M * (rollouts + 1), num_generations=G,
                                 per_device_train_batch_size=P * G // M, steps_per_generation=M,
@@ -151,7 +144,7 @@ def run_trl(model_dir: str, T: int, rollouts: int, device) -> dict:
         trainer = trl.GRPOTrainer(model=model_dir, reward_funcs=varied_reward, args=config,
                                   train_dataset=Dataset.from_list([{"prompt": p} for p in own_task_prompts()]),
                                   processing_class=AutoTokenizer.from_pretrained(model_dir, padding_side="left"),
-                                  callbacks=[Timer()])
+                                  callbacks=[step_ends])
         trainer.train()
     rollout_ends = ends[M - 1::M]  # a rollout's M optimiser steps end at every M-th step
     seconds = [b - a for a, b in zip(rollout_ends, rollout_ends[1:])]  # after the first (warm-up) rollout
