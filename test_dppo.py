@@ -1528,11 +1528,12 @@ def test_resume_restores_the_stored_config_and_refuses_another_shape(warm_model,
 def test_resume_and_checkpoint_defects(warm_model, tmp_path, monkeypatch):
     """A flag typed at its default value counts as given on --resume (the command line is read, not compared with
     the defaults); the CLI resolves --resume once; the checkpoint loads onto the CPU (map_location), not the GPU
-    beside the live model; and it is written once per save point, not again at the end."""
+    beside the live model; and it is written once per save point (step 0, then every save_every), not again at the
+    end."""
     real_save, saves = dppo.save_checkpoint, []
     monkeypatch.setattr(dppo, "save_checkpoint", lambda *a, **k: saves.append(a[1]) or real_save(*a, **k))
     dppo.train(small_cfg(warm_model, tmp_path, steps=2, save_every=2, lr=3e-4, quiet=True))
-    assert saves == [2]
+    assert saves == [0, 2]
     base = dict(out_dir=str(tmp_path), resume=True, steps=3)
     assert dppo.resolve_resume(dppo.Config(**base, lr=1e-4), given={"out_dir", "resume", "steps", "lr"}).lr == 1e-4
     assert dppo.resolve_resume(dppo.Config(**base), given={"out_dir", "resume", "steps"}).lr == 3e-4
@@ -3527,3 +3528,218 @@ def test_gpu_speed_script_runs_at_smoke_size(warm_model, tmp_path):
     assert [(r["trainer"], "error" in r) for r in res["vs_trl"]] == [("dppo", False), ("trl", False)], res["vs_trl"]
     assert all(r["s_per_rollout"] > 0 and r["mean_len"] > 0 for r in res["vs_trl"])
     assert json.loads((tmp_path / "results.json").read_text())["vs_trl"] == res["vs_trl"]
+
+
+# ------------------------------------------------------------- a user's data, a Mac and a killed run (each item)
+def _jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def test_answers_are_compared_as_the_file_writes_them(tmp_path):
+    """A CSV's answers stay the text it holds ('007' is not 7.0), so --reward exact scores '007' right; --reward number
+    reads a JSON number answer (42) instead of raising on it."""
+    (tmp_path / "t.csv").write_text("prompt,answer\nwhat is 3?,3\nhalf of 7?,3.5\nbond?,007\nfour?,4\n")
+    ds, reward = dppo.load_task(dppo.Config(task=str(tmp_path / "t.csv"), reward="exact"))
+    written = {"what is 3?": "3", "half of 7?": "3.5", "bond?": "007", "four?": "4"}
+    rows = {r["prompt"]: r["answer"] for split in ds.values() for r in split}
+    assert rows == written
+    assert reward(list(rows), [written[p] for p in rows], answer=list(rows.values())) == [1.0] * 4
+    jsonl = _jsonl(tmp_path / "n.jsonl", [{"prompt": f"p{i}", "answer": 40 + i} for i in range(4)])
+    ds, reward = dppo.load_task(dppo.Config(task=jsonl))
+    assert reward(["p2", "p3"], ["so 42", "43."], answer=[42, 43]) == [1.0, 1.0]
+
+
+@pytest.mark.parametrize("case,match", [
+    ("one_row", r"^--task .*: 1 train rows; a run needs a train row and a held-out row"),
+    ("no_number", r"^--reward number: train row 1's answer holds no number \('blue'\)"),
+    ("gsm8k_marker", r"^--task gsm8k: train row 0's answer has no '#### <number>' line"),
+    ("reward_raises", r"^the reward function boom raised ZeroDivisionError"),
+])
+def test_a_task_or_reward_that_cannot_run_is_refused_before_any_weights(tmp_path, monkeypatch, case, match):
+    """One line each, from validate_config (which loads no weights): a task of one row and no test split, a number
+    reward over answers that hold no number, GSM8K files without the '####' marker, a reward that raises on the
+    task's first rows."""
+    import transformers
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", None)  # no weights may load
+    cfg = dppo.Config(out_dir=str(tmp_path / "out"), warm_start_steps=0)
+    if case == "one_row":
+        cfg = dataclasses.replace(cfg, task=_jsonl(tmp_path / "one.jsonl", [{"prompt": "1+1=", "answer": "2"}]))
+    elif case == "no_number":
+        rows = [{"prompt": f"colour {i}?", "answer": a} for i, a in enumerate(["red 1", "blue", "3", "4"])]
+        cfg = dataclasses.replace(cfg, task=_jsonl(tmp_path / "c.jsonl", rows))
+    elif case == "gsm8k_marker":
+        for split in ("train", "test"):
+            _jsonl(tmp_path / f"{split}.jsonl", [{"question": "2+2?", "answer": "it is 4"}] * 2)
+        cfg = dppo.Config(out_dir=cfg.out_dir, task="gsm8k", data=str(tmp_path), model="x")  # (no model is read)
+    else:
+        (tmp_path / "r.py").write_text("def boom(prompts, completions, **kw):\n    return 1 / 0\n")
+        rows = [{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(4)]
+        cfg = dataclasses.replace(cfg, task=_jsonl(tmp_path / "d.jsonl", rows), reward=f"{tmp_path}/r.py:boom")
+    with pytest.raises(dppo.ConfigError, match=match) as e:
+        dppo.validate_config(cfg)
+    assert "\n" not in str(e.value)
+    assert not (tmp_path / "out").exists()
+
+
+def test_rewards_get_completion_ids_and_may_return_arrays_and_text_prompts_can_skip_the_template():
+    """As TRL's GRPOTrainer: the reward gets completion_ids (the completion's tokens up to its EOS) and may return a
+    numpy array or a tensor; --template_text False feeds a text prompt as the tokenizer encodes it, untemplated."""
+    import numpy as np
+    model, tok = tiny_model("llama"), dppo.build_char_tokenizer()
+    seen = {}
+
+    def reward(prompts, completions, completion_ids, **kw):
+        seen["ids"], seen["texts"] = completion_ids, completions
+        return np.arange(len(prompts), dtype=np.float32)
+    cfg = dppo.Config(max_new_tokens=3, group_size=2)
+    batch = dppo.collect_rollout(model, tok, {"prompt": ["12+34="]}, dppo.trl_reward(reward), cfg,
+                                 generator=torch.Generator().manual_seed(0))
+    assert batch.rewards.tolist() == [0.0, 1.0]
+    for ids, text, row, mask in zip(seen["ids"], seen["texts"], batch.rollout.completion_ids,
+                                    batch.rollout.completion_mask):
+        assert ids == row[mask.bool()].tolist() and text == tok.decode(ids, skip_special_tokens=True)
+    assert dppo.trl_reward(lambda prompts, completions, **kw: torch.ones(len(prompts)))(["a"], ["b"]) == [1.0]
+    tok.chat_template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+    templated, _ = dppo.encode_prompts(tok, ["1+2="], "cpu")
+    plain, _ = dppo.encode_prompts(tok, ["1+2="], "cpu", template_text=False)
+    assert tok.decode(templated[0]) == "<user>1+2=" and plain[0].tolist() == tok("1+2=").input_ids
+    chat, _ = dppo.encode_prompts(tok, [[{"role": "user", "content": "1+2="}]], "cpu", template_text=False)
+    assert torch.equal(chat, templated)  # chat messages are templated either way
+
+
+def test_a_long_context_rope_that_switches_frequencies_is_refused_past_its_original_length(tmp_path):
+    """Phi-3's longrope (and dynamic NTK) pick their frequencies from the longest position of each call: a model
+    whose prompt + completion can pass its original length is refused in one line naming it; within it, it runs."""
+    import transformers as tf
+    config = tf.Phi3Config(vocab_size=dppo.CHAR_VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                           original_max_position_embeddings=12, pad_token_id=0, eos_token_id=1, bos_token_id=None,
+                           rope_scaling={"rope_type": "longrope", "short_factor": [1.0] * 4, "long_factor": [4.0] * 4})
+    tf.Phi3ForCausalLM(config).save_pretrained(tmp_path / "phi")
+    dppo.build_char_tokenizer().save_pretrained(tmp_path / "phi")
+    cfg = dppo.Config(model=str(tmp_path / "phi"), out_dir=str(tmp_path / "out"), max_new_tokens=8)
+    with pytest.raises(dppo.ConfigError, match=r"its longrope RoPE changes its frequencies past 12 positions.*"
+                                               r"longest prompt's 6 tokens \+ --max_new_tokens must stay within 12"):
+        dppo.validate_config(cfg)
+    dppo.validate_config(dataclasses.replace(cfg, max_new_tokens=6))
+    assert dppo.switching_rope(tf.LlamaConfig()) is None
+
+
+class NoFloat64OnDevice(torch.Tensor):
+    """A stand-in for an MPS tensor on this CPU: any op on it that makes a float64 tensor raises, as MPS does; moving
+    it to the host (.cpu(), .tolist(), float()) gives a plain tensor or numbers. Its limit: it catches float64 made
+    from such tensors by torch ops, not a float64 tensor created from scratch on the device."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        out = super().__torch_function__(func, types, args, kwargs or {})
+        if func in (torch.Tensor.cpu,):
+            return out.as_subclass(torch.Tensor)
+        made = out if isinstance(out, (tuple, list)) else [out]
+        if any(isinstance(t, torch.Tensor) and t.dtype == torch.float64 for t in made):
+            raise TypeError(f"{getattr(func, '__name__', func)}: MPS has no float64")
+        return out
+
+
+def test_the_steps_statistics_need_no_float64_on_the_device():
+    """summarise_stats (every step's statistics) adds up in float64 only on the host: fed loss statistics whose
+    tensors refuse float64 (the MPS stand-in above) it gives what it gives for plain tensors; the stand-in itself
+    refuses .double()."""
+    g = torch.Generator().manual_seed(0)
+    logp = -torch.rand(3, 5, generator=g) * 3
+    parts = [dppo.dppo_loss(logp, logp - 0.2 * torch.rand(3, 5, generator=g), torch.randn(3, generator=g),
+                            torch.ones(3, 5))[1] for _ in range(2)]
+    parts = [{**p, "loss": torch.tensor(0.5)} for p in parts]
+    device_like = [{k: v.as_subclass(NoFloat64OnDevice) for k, v in p.items()} for p in parts]
+    with pytest.raises(TypeError, match="MPS has no float64"):
+        device_like[0]["tokens"].double()
+    assert dppo.summarise_stats(device_like) == dppo.summarise_stats(parts)
+
+
+def _small_run(warm_model, out, reward=None, **kw):
+    base = dict(steps=2, eval_every=2, save_every=20, prompts_per_step=4, group_size=4, eval_size=20, quiet=True)
+    return dppo.train(small_cfg(warm_model, out, **{**base, **kw}), reward_fn=reward)
+
+
+def _raises_when(rows, nth=1):
+    """A number reward that raises the nth time it is called with `rows` completions (16: a rollout of _small_run's;
+    20: its held-out evaluation)."""
+    calls = []
+
+    def reward(prompts, completions, answer, **kw):
+        calls.append(len(completions) == rows)
+        if calls[-1] and sum(calls) == nth:
+            raise RuntimeError("reward server down")
+        return dppo.number_reward(prompts, completions, answer)
+    return reward
+
+
+def test_overwrite_sets_the_old_run_aside_until_the_new_one_logs_a_step(warm_model, tmp_path):
+    """--overwrite removes nothing before the new run logs its first step: a new run that fails in step 1 leaves the
+    old run whole in out_dir/replaced/ and none of its files (model/, curves.png) beside its own; once a new run logs a
+    step, replaced/ is gone and model/ is the new run's."""
+    out = tmp_path / "run"
+    _small_run(warm_model, out)
+    old = read_metrics(out)
+    with pytest.raises(dppo.Stop):
+        _small_run(warm_model, out, reward=_raises_when(16), overwrite=True, seed=1)
+    assert not (out / "model").exists() and not (out / "curves.png").exists()
+    assert read_metrics(out / "replaced") == old and (out / "replaced" / "model" / "config.json").exists()
+    assert [r["step"] for r in read_metrics(out)] == [0]
+    _small_run(warm_model, out, overwrite=True, seed=2)
+    assert not (out / "replaced").exists() and read_metrics(out)[-1]["step"] == 2
+    assert not os.path.exists(str(out / "model") + ".tmp")
+
+
+def test_the_model_directory_is_written_whole_or_not_at_all(warm_model, tmp_path, monkeypatch):
+    """A save killed half-way (config.json written, the weights not) leaves the directory as it was: absent, or the
+    earlier model whole; never a config.json that passes for a complete model."""
+    model, tok = dppo.load_model_and_tokenizer(dppo.Config(model=warm_model[0]), torch.device("cpu"))
+    path = str(tmp_path / "model")
+
+    def killed(self, directory, **kw):
+        self.config.save_pretrained(directory)
+        raise KeyboardInterrupt  # (what a second Ctrl-C does)
+    monkeypatch.setattr(type(model), "save_pretrained", killed)
+    with pytest.raises(KeyboardInterrupt):
+        dppo.save_model_dir(model, tok, path)
+    assert not os.path.exists(path)
+    monkeypatch.undo()
+    dppo.save_model_dir(model, tok, path)
+    monkeypatch.setattr(type(model), "save_pretrained", killed)
+    with pytest.raises(KeyboardInterrupt):
+        dppo.save_model_dir(model, tok, path)
+    assert os.path.exists(os.path.join(path, "model.safetensors"))  # the earlier save, whole
+
+
+def test_a_run_stopped_in_any_step_can_be_resumed_and_a_failed_resume_keeps_the_logs(warm_model, tmp_path):
+    """A failure after the first update (the evaluation of step 1 raises; save_every is 20) leaves a checkpoint of step
+    0, and --resume continues from it to the uninterrupted run's metrics. A resume that fails before it logs a step
+    keeps every row of metrics.jsonl it found."""
+    out = tmp_path / "cut"
+    with pytest.raises(dppo.Stop, match="--resume continues from step 0"):
+        _small_run(warm_model, out, reward=_raises_when(20, nth=2), eval_every=1)  # step 1's evaluation
+    assert torch.load(out / "checkpoint.pt", weights_only=True)["step"] == 0
+    _small_run(warm_model, out, resume=True, eval_every=1)
+    _small_run(warm_model, tmp_path / "full", eval_every=1)
+    assert without_timings(read_metrics(out)) == without_timings(read_metrics(tmp_path / "full"))
+    before = (out / "metrics.jsonl").read_text()  # rows 0..2, the checkpoint at 2
+    torch.save({**torch.load(out / "checkpoint.pt", weights_only=True), "step": 1}, out / "checkpoint.pt")
+    with pytest.raises(dppo.Stop):
+        _small_run(warm_model, out, resume=True, eval_every=1, reward=_raises_when(16))
+    assert (out / "metrics.jsonl").read_text() == before
+
+
+def test_a_run_refused_after_validation_leaves_no_directory(tmp_path):
+    """A model whose weights cannot load is refused in one line after validation; the out_dir that validation found
+    writable is not left behind, empty."""
+    import transformers as tf
+    tf.LlamaConfig(vocab_size=dppo.CHAR_VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64).save_pretrained(
+        tmp_path / "noweights")
+    dppo.build_char_tokenizer().save_pretrained(tmp_path / "noweights")
+    out = tmp_path / "runs" / "new"
+    with pytest.raises(dppo.ConfigError, match="cannot load its weights"):
+        dppo.train(dppo.Config(model=str(tmp_path / "noweights"), out_dir=str(out), steps=1, quiet=True))
+    assert not out.exists() and not (tmp_path / "runs").exists()
