@@ -911,9 +911,9 @@ def load_task(cfg: Config, dataset=None, reward_fn=None):
     elif dataset is None:
         dataset = read_dataset(cfg)
     dataset = DatasetDict(train=dataset) if isinstance(dataset, Dataset) else DatasetDict(dataset)
-    rows = {split: len(part) for split, part in dataset.items()}
-    if "train" not in rows or rows["train"] < 1 + ("test" not in rows) or rows.get("test", 1) < 1:
-        raise ConfigError(f"--task {cfg.task}: {', '.join(f'{n} {s} rows' for s, n in rows.items())}; a run needs a "
+    sizes = {split: len(part) for split, part in dataset.items()}  # rows in each split
+    if "train" not in sizes or sizes["train"] < 1 + ("test" not in sizes) or sizes.get("test", 1) < 1:
+        raise ConfigError(f"--task {cfg.task}: {', '.join(f'{n} {s} rows' for s, n in sizes.items())}; a run needs a "
                           "train row and a held-out row: 2 rows in train, or 1 in train and 1 in test")
     columns = dataset["train"].column_names
     if "prompt" not in columns:
