@@ -3502,7 +3502,7 @@ def test_the_sampler_runs_in_the_trainers_precision_and_the_bf16_check_refuses_a
         def forward(self, input_ids=None, **kw):
             out = super().forward(input_ids=input_ids, **kw)
             if input_ids is not None and input_ids.shape[1] == 1 and torch.is_autocast_enabled("cpu"):
-                out.logits = out.logits + 0.5 * (torch.arange(out.logits.shape[-1]) < out.logits.shape[-1] // 2)
+                out.logits = out.logits + 1.0 * (torch.arange(out.logits.shape[-1]) < out.logits.shape[-1] // 2)
             return out
     config = tf.LlamaConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
