@@ -34,7 +34,6 @@ import csv
 import dataclasses
 import functools
 import glob
-import importlib
 import importlib.util
 import inspect
 import io
@@ -82,8 +81,7 @@ class Config:
     digits: int = _f(2, "Addition: operands have up to this many digits.")
     model: Optional[str] = _f(None, "Hugging Face id or local directory; default builds a tiny Llama in code.")
     dtype: Literal["float32", "bfloat16"] = _f("float32", "Trainer's decoder; bfloat16: autocast, head stays float32.")
-    weights: Literal["auto", "float32", "bfloat16"] = _f("auto", "Parameters held in; auto: bf16 for a LoRA's frozen "
-                                                         "base with --dtype bfloat16 on a GPU, else float32.")
+    weights: Literal["auto", "float32", "bfloat16"] = _f("auto", "auto: LoRA's base in bf16 (GPU, --dtype bfloat16)")
     lora_r: int = _f(0, "LoRA rank (peft): adapters trained, the model's weights frozen; 0: every weight trained.")
     lora_alpha: Optional[float] = _f(None, "LoRA: the adapters' update is scaled by lora_alpha / lora_r; default 2r.")
     lora_targets: str = _f("all-linear", "LoRA: the modules adapted, comma-separated; all-linear: peft's, the decoder.")
@@ -299,11 +297,10 @@ def _check_loss_inputs(logp, logp_mu, advantages, completion_mask, **topk) -> No
 
 def dppo_loss(logp, logp_mu, advantages, completion_mask, *, divergence_type="binary_tv", delta_low=None,
               delta_high=None, topk_logp=None, topk_logp_mu=None, ratio_cap=None):
-    """DPPO loss (Eq. 12): minimise -mean_t[ M_t * sg(w_t) * A_t * log pi(a_t) ], w_t = pi(a_t)/mu(a_t) (capped at C
-    when ratio_cap is set), whose gradient is the surrogate M_t r_t A_t's (Eq. 23; TRL and verl minimise -M_t r_t A_t:
-    the same gradient, another value); a token mean over valid tokens (masked ones still count). logp (B, T) with
-    gradient, logp_mu (B, T) as captured, advantages (B,) or (B, T), completion_mask (B, T), topk_* (B, T, K).
-    -> (loss, stats): stats are sums and counts over the valid tokens (summarise_stats([stats]): the shares)."""
+    """DPPO's loss (Eq. 12): -mean_t[M_t sg(w_t) A_t log pi(a_t)], w_t = pi(a_t)/mu(a_t) (capped at C: ratio_cap).
+    Its gradient is the surrogate M_t r_t A_t's (Eq. 23). The mean runs over valid tokens, masked ones included.
+    logp (B, T) with gradient, logp_mu (B, T) as captured, advantages (B,) or (B, T), completion_mask (B, T),
+    topk_* (B, T, K). -> (loss, stats); stats: sums and counts over the valid tokens (summarise_stats: the shares)."""
     if divergence_type not in DIVERGENCES:
         raise ValueError(f"divergence_type must be one of {sorted(DIVERGENCES)}, got {divergence_type!r}")
     default = DIVERGENCE_DEFAULT_DELTA[divergence_type.split("_")[1]]  # the deltas are checked by trust_region_mask
@@ -535,11 +532,10 @@ def _head_logprobs(head, h, targets, temperature):
 
 def policy_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, *, temperature=1.0,
                     topk_ids=None, via_head=False, chunk_bytes=2 ** 28):
-    """Training-time forward: log pi(a_t) (B, T) with gradient, and log pi on mu's top-K ids (B, T, K) without
-    gradient (None when topk_ids is None), tempered and positioned as sampled. By default from the model's own
-    logits (B, T, V), exact for any model, its head in float32. via_head=True: the decoder's hidden states through the
-    model's output-embedding module in float32 time-chunks of at most chunk_bytes of logits (several: each under
-    checkpoint, no (B, T, V) tensor kept for backward); for a model whose logits are exactly that (check_scoring)."""
+    """The trainer's log pi at the tokens mu sampled, tempered and positioned as sampled.
+    -> log pi(a_t) (B, T) with gradient; log pi on mu's top-K ids (B, T, K) without (None when topk_ids is None).
+    via_head picks the path, as check_scoring decided for this model: False, its own logits (exact for any model);
+    True, its decoder's hidden states through its head in chunks of at most chunk_bytes of logits."""
     if prompt_ids.dim() != 2 or completion_ids.dim() != 2 or completion_ids.shape[0] != prompt_ids.shape[0]:
         raise ValueError(f"prompt_ids and completion_ids must be (B, P) and (B, T), got shapes "
                          f"{tuple(prompt_ids.shape)} and {tuple(completion_ids.shape)}")
@@ -548,29 +544,41 @@ def policy_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_m
     if topk_ids is not None and (topk_ids.dim() != 3 or topk_ids.shape[:2] != completion_ids.shape):
         raise ValueError(f"topk_ids must be (B, T, K), (B, T) = {tuple(completion_ids.shape)}, got "
                          f"{tuple(topk_ids.shape)}")
-    B, P = prompt_ids.shape
-    T = completion_ids.shape[1]
+    P = prompt_ids.shape[1]
     ids = torch.cat([prompt_ids, completion_ids], dim=1)                       # (B, P + T)
     attn = torch.cat([prompt_mask.long(), completion_mask.long()], dim=1)      # (B, P + T)
-    kw = dict(input_ids=ids, attention_mask=attn, position_ids=(attn.cumsum(-1) - 1).clamp_min(0), use_cache=False)
+    inputs = dict(input_ids=ids, attention_mask=attn, position_ids=(attn.cumsum(-1) - 1).clamp_min(0), use_cache=False)
     targets = completion_ids[..., None]                                        # (B, T, 1)
     if topk_ids is not None:
         targets = torch.cat([targets, topk_ids], dim=-1)                       # (B, T, 1 + K)
-    if not via_head:  # its own logits, exact by construction; its head in float32 under autocast too
-        with _head_in_float32(model.get_output_embeddings()):
-            logits = model(**kw, logits_to_keep=torch.arange(P - 1, P + T - 1, device=ids.device)).logits  # (B,T,V)
-        out = _tempered_logprobs(logits, targets, temperature)                 # (B, T, 1 [+ K])
+    if via_head:
+        out = _logprobs_through_head(model, inputs, P, targets, temperature, chunk_bytes)  # (B, T, 1 [+ K])
     else:
-        h = model.get_decoder()(**kw).last_hidden_state[:, P - 1:-1]           # (B, T, H) predict a_1..a_T
-        head = model.get_output_embeddings()                                   # weight (V, H)
-        step = max(1, chunk_bytes // (B * head.weight.shape[0] * 4))           # time steps per (B, c, V) chunk
-        if step >= T:  # one chunk: its logits are kept for backward, not recomputed (backward would remake them)
-            out = _head_logprobs(head, h, targets, temperature)               # (B, T, 1 [+ K])
-        else:
-            out = torch.cat([checkpoint(_head_logprobs, head, hc, tc, temperature, use_reentrant=False)
-                             for hc, tc in zip(h.split(step, dim=1), targets.split(step, dim=1))], dim=1)
+        out = _logprobs_from_logits(model, inputs, P, targets, temperature)               # (B, T, 1 [+ K])
     topk_logp = out[..., 1:].detach() if topk_ids is not None else None        # (B, T, K): pi at mu's ids, a constant
     return out[..., 0], topk_logp
+
+
+def _logprobs_from_logits(model, inputs, P, targets, temperature):
+    """Tempered log-probs (B, T, J) at `targets` from the model's own logits (B, T, V), its head in float32."""
+    T = targets.shape[1]
+    with _head_in_float32(model.get_output_embeddings()):  # (also under autocast)
+        logits = model(**inputs, logits_to_keep=torch.arange(P - 1, P + T - 1, device=targets.device)).logits
+    return _tempered_logprobs(logits, targets, temperature)                   # (B, T, J)
+
+
+def _logprobs_through_head(model, inputs, P, targets, temperature, chunk_bytes):
+    """Tempered log-probs (B, T, J) at `targets` from the decoder's hidden states through the model's head module in
+    float32, in time-chunks of at most chunk_bytes of logits. Several chunks each run under checkpoint, so no
+    (B, T, V) tensor is kept for backward. One chunk keeps its logits (backward would remake them)."""
+    h = model.get_decoder()(**inputs).last_hidden_state[:, P - 1:-1]          # (B, T, H) predict a_1..a_T
+    head = model.get_output_embeddings()                                       # weight (V, H)
+    B, T = targets.shape[:2]
+    step = max(1, chunk_bytes // (B * head.weight.shape[0] * 4))               # time steps per (B, c, V) chunk
+    if step >= T:
+        return _head_logprobs(head, h, targets, temperature)                  # (B, T, J)
+    return torch.cat([checkpoint(_head_logprobs, head, hc, tc, temperature, use_reentrant=False)
+                      for hc, tc in zip(h.split(step, dim=1), targets.split(step, dim=1))], dim=1)
 
 
 # --- One RL step: sample with capture (mu), rewards, advantages, then M updates against the same mu --------
@@ -585,14 +593,15 @@ class Batch:  # one rollout batch, with everything the M updates need
 
 
 def encode_prompts(tok, prompts: list, device, template_text: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-padded (B, P) ids and mask of prompts as text or chat messages, the tokenizer's chat template applied
-    (to text prompts too unless template_text is False, as in TRL, which templates chat messages only)."""
-    chat = bool(getattr(tok, "chat_template", None)) and (template_text or isinstance(prompts[0], list))
-    if chat:
-        prompts = [tok.apply_chat_template(p if isinstance(p, list) else [{"role": "user", "content": p}],
-                                           tokenize=False, add_generation_prompt=True) for p in prompts]
-    enc = tok(prompts, padding=True, return_tensors="pt", add_special_tokens=not chat)
-    return enc.input_ids.to(device), enc.attention_mask.to(device)
+    """Prompts (text or chat messages) as left-padded (B, P) ids and mask. The tokenizer's chat template applies to
+    chat messages, and to text unless template_text is False (TRL templates chat messages only)."""
+    if getattr(tok, "chat_template", None) and (template_text or isinstance(prompts[0], list)):
+        chats = [p if isinstance(p, list) else [{"role": "user", "content": p}] for p in prompts]
+        enc = tok.apply_chat_template(chats, add_generation_prompt=True, padding=True, return_dict=True,
+                                      return_tensors="pt")
+    else:
+        enc = tok(prompts, padding=True, return_tensors="pt")
+    return enc["input_ids"].to(device), enc["attention_mask"].to(device)
 
 
 def eos_token_ids(tok, model) -> list[int]:
@@ -618,11 +627,12 @@ def complete(model, tok, prompts, cfg: Config, sampler, generator=None, greedy=F
     return prompt_ids, prompt_mask, ro, [tok.decode(i, skip_special_tokens=True) for i in ids], ids
 
 
-def collect_rollout(model, tok, rows, reward_fn, cfg: Config, sampler=sample_with_topk, generator=None) -> Batch:
-    """Sample P prompts x G completions with capture (mu), score them, and compute group advantages."""
+def collect_rollout(model, tok, examples, reward_fn, cfg: Config, sampler=sample_with_topk, generator=None) -> Batch:
+    """One rollout batch: G completions of each example's prompt sampled with capture (mu), rewarded, advantages.
+    examples: the task's columns for P examples ({"prompt": [...], "answer": [...], ...})."""
     G = cfg.group_size
-    prompts = [p for p in rows["prompt"] for _ in range(G)]                  # prompt-major: B = P * G
-    extra = {k: [v for v in vals for _ in range(G)] for k, vals in rows.items() if k != "prompt"}  # e.g. answers
+    prompts = [p for p in examples["prompt"] for _ in range(G)]              # prompt-major: B = P * G
+    extra = {k: [v for v in vals for _ in range(G)] for k, vals in examples.items() if k != "prompt"}  # answers, ...
     prompt_ids, prompt_mask, ro, completions, ids = complete(model, tok, prompts, cfg, sampler, generator)
     rewards = torch.tensor(reward_fn(prompts, completions, completion_ids=ids, **extra), dtype=torch.float32)  # (B,)
     adv = group_advantages(rewards, G, cfg.scale_adv_by_std).to(model.device)             # (B,)
@@ -634,54 +644,56 @@ def scoring_mode(model) -> None:
     each layer gradient checkpointing wraps (transformers recomputes a layer only while it is in training mode; its
     submodules stay in eval mode), and the dropout rates such a layer applies itself (OPT's) set to 0."""
     model.eval()
-    for m in model.modules():
-        if getattr(m, "gradient_checkpointing", False) is True:
-            m.training = True  # this module alone (train() would set its submodules too)
-            for name, value in list(vars(m).items()):
+    for module in model.modules():
+        if getattr(module, "gradient_checkpointing", False) is True:
+            module.training = True  # this module alone (train() would set its submodules too)
+            for name, value in list(vars(module).items()):
                 if "dropout" in name and isinstance(value, float):
-                    setattr(m, name, 0.0)
+                    setattr(module, name, 0.0)
 
 
-def microbatches(rows: torch.Tensor, prompt_len: torch.Tensor, completion_len: torch.Tensor, budget) -> list:
-    """Rows (n,) -> micro-batches, shortest first, each computing at most `budget` tokens once padded to its longest
-    prompt and completion (one row at least); budget None: one. prompt_len, completion_len (B,)."""
+def microbatches(row_ids: torch.Tensor, prompt_len: torch.Tensor, completion_len: torch.Tensor, budget) -> list:
+    """A mini-batch's row ids (n,) split into micro-batches, shortest first, each computing at most `budget` tokens
+    once padded to its longest prompt and completion (one row at least); budget None: one. prompt_len, completion_len
+    (B,)."""
     if not budget:
-        return [rows]
-    rows = rows[(prompt_len + completion_len)[rows].argsort(stable=True)]   # shortest first
+        return [row_ids]
+    row_ids = row_ids[(prompt_len + completion_len)[row_ids].argsort(stable=True)]   # shortest first
     groups, start = [], 0
-    for end in range(1, len(rows)):
-        part = rows[start:end + 1]
+    for end in range(1, len(row_ids)):
+        part = row_ids[start:end + 1]
         if len(part) * int(prompt_len[part].max() + completion_len[part].max()) > budget:
-            groups.append(rows[start:end])
+            groups.append(row_ids[start:end])
             start = end
-    groups.append(rows[start:])
+    groups.append(row_ids[start:])
     return groups
 
 
-def score_rows(model, batch: Batch, i, cfg: Config, via_head=False):
-    """Rows i, trimmed to their longest prompt and completion T': policy_logprobs' (b, T') and (b, T', K) or None."""
-    ro = batch.rollout
-    longest = torch.stack([batch.prompt_mask[i].sum(-1).max(), ro.completion_mask[i].sum(-1).max()])
+def score_rows(model, batch: Batch, row_ids, cfg: Config, via_head=False):
+    """log pi of the rows row_ids, trimmed to their longest prompt and completion T': policy_logprobs' (b, T') and
+    (b, T', K) or None."""
+    ro, prompt_mask = batch.rollout, batch.prompt_mask[row_ids]                          # (b, P)
+    longest = torch.stack([prompt_mask.sum(-1).max(), ro.completion_mask[row_ids].sum(-1).max()])
     prompt_len, T = (int(x) for x in longest.tolist())  # the rows' longest prompt and completion: one host sync
-    P = batch.prompt_ids.shape[1] - prompt_len          # left padding all rows i share
-    topk_ids = ro.topk_ids[i, :T] if ro.topk_ids is not None else None
+    P = batch.prompt_ids.shape[1] - prompt_len          # left padding all these rows share
+    topk_ids = ro.topk_ids[row_ids, :T] if ro.topk_ids is not None else None
     with trainer_precision(batch.advantages.device, cfg.dtype):
-        logp, topk_logp = policy_logprobs(model, batch.prompt_ids[i, P:], batch.prompt_mask[i, P:],
-                                          ro.completion_ids[i, :T], ro.completion_mask[i, :T],
+        logp, topk_logp = policy_logprobs(model, batch.prompt_ids[row_ids, P:], prompt_mask[:, P:],
+                                          ro.completion_ids[row_ids, :T], ro.completion_mask[row_ids, :T],
                                           temperature=cfg.temperature, topk_ids=topk_ids, via_head=via_head)
     if not bool(torch.isfinite(logp.detach()).all()):  # the weights blew up in an earlier update
         raise FloatingPointError("the policy's log-probs are NaN or inf")
     return logp, topk_logp
 
 
-def rows_loss(cfg: Config, ro: Rollout, adv, i, logp, topk_logp):
-    """(loss, statistics) of rows i, with w and D measured from mu's log-probs as captured at sampling."""
+def rows_loss(cfg: Config, ro: Rollout, adv, row_ids, logp, topk_logp):
+    """(loss, statistics) of the rows row_ids, w and D measured from mu's log-probs as captured at sampling."""
     T = logp.shape[1]
+    logp_mu, mask = ro.logp_mu[row_ids, :T], ro.completion_mask[row_ids, :T]  # (b, T') each, as captured
     if cfg.loss == "ratio_clip":
-        return ratio_clip_loss(logp, ro.logp_mu[i, :T], adv[i], ro.completion_mask[i, :T],
-                               eps_low=cfg.eps_low, eps_high=cfg.eps_high)
-    topk_logp_mu = ro.topk_logp_mu[i, :T] if ro.topk_logp_mu is not None else None
-    return dppo_loss(logp, ro.logp_mu[i, :T], adv[i], ro.completion_mask[i, :T],
+        return ratio_clip_loss(logp, logp_mu, adv[row_ids], mask, eps_low=cfg.eps_low, eps_high=cfg.eps_high)
+    topk_logp_mu = ro.topk_logp_mu[row_ids, :T] if ro.topk_logp_mu is not None else None
+    return dppo_loss(logp, logp_mu, adv[row_ids], mask,
                      divergence_type=cfg.divergence, delta_low=cfg.delta_low, delta_high=cfg.delta_high,
                      topk_logp=topk_logp, topk_logp_mu=topk_logp_mu, ratio_cap=cfg.ratio_cap)
 
@@ -696,12 +708,12 @@ def update_policy(model, opt, batch: Batch, cfg: Config, gen, loss_fn=rows_loss,
     p_len, c_len = batch.prompt_mask.sum(-1).cpu(), ro.completion_mask.sum(-1).cpu()  # (B,) each, on the host once
     scoring_mode(model)  # as mu sampled: no train-only noise (checkpointed layers flagged for recompute)
     parts, first, norms = [], 0, []  # every micro-batch's statistics; how many belong to mini-batch 1; grad norms
-    for idx in torch.randperm(len(adv), generator=gen).tensor_split(cfg.num_minibatches):  # row ids, on the host
-        n = ro.completion_mask[idx].sum().clamp_min(1)                         # the mini-batch's tokens
+    for mini_ids in torch.randperm(len(adv), generator=gen).tensor_split(cfg.num_minibatches):  # on the host
+        n = ro.completion_mask[mini_ids].sum().clamp_min(1)                    # the mini-batch's tokens
         opt.zero_grad(set_to_none=True)
-        for i in microbatches(idx, p_len, c_len, cfg.max_tokens_per_microbatch):
-            logp, topk_logp = score_rows(model, batch, i, cfg, via_head)        # (b, T'), (b, T', K) or None
-            loss, stats = loss_fn(cfg, ro, adv, i, logp, topk_logp)
+        for micro_ids in microbatches(mini_ids, p_len, c_len, cfg.max_tokens_per_microbatch):
+            logp, topk_logp = score_rows(model, batch, micro_ids, cfg, via_head)  # (b, T'), (b, T', K) or None
+            loss, stats = loss_fn(cfg, ro, adv, micro_ids, logp, topk_logp)
             (loss * (stats["tokens"] / n)).backward()  # sum over micro-batches = the mini-batch's token mean
             parts.append({**stats, "loss": loss.detach() * stats["tokens"]})
         first = first or len(parts)
@@ -728,18 +740,18 @@ def train(cfg: Config, given: Optional[set] = None, sampler=None, loss_fn=rows_l
     cfg = run.cfg
     with guarded_steps(run) as steps:  # (harness) Ctrl-C / SIGTERM: finish the step, save, stop; a failure: save
         for step in steps:
-            rows = run.ds["train"][torch.randint(len(run.ds["train"]), (cfg.prompts_per_step,),
-                                                 generator=run.gen).tolist()]
+            examples = run.ds["train"][torch.randint(len(run.ds["train"]), (cfg.prompts_per_step,),
+                                                     generator=run.gen).tolist()]
             t0 = time.time()
-            batch = collect_rollout(run.model, run.tok, rows, run.reward_fn, cfg, run.sampler, run.sample_gen)
-            m = {"step": step, "reward": float(batch.rewards.mean()), "sample_seconds": time.time() - t0}
-            m.update(update_policy(run.model, run.opt, batch, cfg, run.gen, loss_fn, run.via_head))
-            check_finite(run, m)  # (harness) a NaN or inf loss, gradient or weight stops the run in one line
+            batch = collect_rollout(run.model, run.tok, examples, run.reward_fn, cfg, run.sampler, run.sample_gen)
+            metrics = {"step": step, "reward": float(batch.rewards.mean()), "sample_seconds": time.time() - t0}
+            metrics.update(update_policy(run.model, run.opt, batch, cfg, run.gen, loss_fn, run.via_head))
+            check_finite(run, metrics)  # (harness) a NaN or inf loss, gradient or weight stops the run in one line
             greedy = []
             if step % cfg.eval_every == 0 or step == cfg.steps:  # (harness) held-out greedy accuracy, samples
-                m["acc"], greedy = evaluate(run.model, run.tok, run.ds["test"], run.reward_fn, cfg, run.eval_sampler,
-                                            n_samples=3)
-            log_step(run, m, greedy, batch)  # (harness) the step line, metrics.jsonl, samples
+                metrics["acc"], greedy = evaluate(run.model, run.tok, run.ds["test"], run.reward_fn, cfg,
+                                                  run.eval_sampler, n_samples=3)
+            log_step(run, metrics, greedy, batch)  # (harness) the step line, metrics.jsonl, samples
             if step % cfg.save_every == 0:
                 save_checkpoint(run, step)  # (harness) written whole or not at all
     return finish_run(run)  # (harness) the last checkpoint, model/, curves.png, the summary line
@@ -1022,7 +1034,8 @@ def load_model_and_tokenizer(cfg: Config, device: torch.device):
         return build_tiny_model(len(tok), seed=cfg.seed).to(device), tok
     from transformers import AutoModelForCausalLM
     try:
-        model = AutoModelForCausalLM.from_pretrained(os.path.expanduser(cfg.model), dtype=getattr(torch, cfg.weights))
+        dtype = torch.bfloat16 if cfg.weights == "bfloat16" else torch.float32
+        model = AutoModelForCausalLM.from_pretrained(os.path.expanduser(cfg.model), dtype=dtype)
         model.to(device)
     except Exception as e:  # no weights, damaged or of another shape than the config, ...
         raise _load_error(cfg, "weights", e) from None
@@ -1074,7 +1087,10 @@ OWN_LOGITS_BYTES = 2 ** 30  # scored from its own logits: ~3 float32 (tokens, V)
 # 5e-2 and up. bf16 rounds every layer's output to 8 bits, and a one-token decode step sums in another order than
 # the full forward: SmolLM2-135M (30 layers) measured 0.07-0.09 on the check's 24 tokens, so 32 bf16 eps (0.25)
 # refuses only a bf16 path that is off by more than its rounding; the float32 check runs first in any case.
-SCORING_GAP = {"float32": 1e-3, "bfloat16": 32 * torch.finfo(torch.bfloat16).eps}
+# bf16 weights (--weights bfloat16) round more and allow no float32 check: SmolLM2-135M measured 0.30, so 64 eps (0.5);
+# a defect (another mask, position or cache) moves log-probs by 1 and more.
+SCORING_GAP = {"float32": 1e-3, "bfloat16": 32 * torch.finfo(torch.bfloat16).eps,
+               "bfloat16 weights": 64 * torch.finfo(torch.bfloat16).eps}
 
 
 @torch.no_grad()
@@ -1110,8 +1126,8 @@ def check_scoring(model, name: str = "the model", temperature: float = 1.0, dtyp
     mask = torch.ones_like(prompts)
     mask[1:3, :2] = 0                                                              # two rows left-padded
     try:
-        for precision in dict.fromkeys([dtype] if bf16_weights else ["float32", dtype]):  # float32 first: a defect
-            # shows there above rounding
+        precisions = [dtype] if bf16_weights else ["float32", dtype]  # float32 first: a defect shows above rounding
+        for precision in dict.fromkeys(precisions):
             with trainer_precision(device, precision):  # (the sampler puts the model in eval mode again)
                 ro = (sampler or sample_with_topk)(model, prompts, mask, max_new_tokens=6, temperature=temperature,
                                                    topk=0, eos_token_id=-1, pad_token_id=0,
@@ -1120,9 +1136,10 @@ def check_scoring(model, name: str = "the model", temperature: float = 1.0, dtyp
                 logp, _ = policy_logprobs(model, prompts, mask, ro.completion_ids, ro.completion_mask,
                                           temperature=temperature, via_head=via_head)
             gap = float((logp - ro.logp_mu).abs().max())
-            if not gap <= SCORING_GAP[precision]:
+            allowed = SCORING_GAP["bfloat16 weights" if bf16_weights else precision]
+            if not gap <= allowed:
                 raise ConfigError(f"{name} ({type(model).__name__}) scores the tokens it sampled {gap:.3g} apart in "
-                                  f"log-prob before any update in {precision} (allowed {SCORING_GAP[precision]:g}): "
+                                  f"log-prob before any update in {precision} (allowed {allowed:g}): "
                                   "DPPO's mu and pi would differ from step 0")
     finally:
         model.train(was_training)
@@ -1441,6 +1458,9 @@ def _model_errors(cfg: Config, ds) -> list[str]:
                 with_lora(skeleton, cfg)
         except ValueError as e:  # one that peft cannot adapt (a Mamba's out_proj)
             errors.append(f"--lora_targets {cfg.lora_targets}: peft cannot adapt this model's ({_why(e)})")
+    free = free_memory(pick_device(cfg.device))
+    if cfg.model is not None and free is not None and not errors:
+        errors += _memory_errors(cfg, free)
     if rope and prompt + cfg.max_new_tokens > rope[1]:
         errors.append(f"--model {cfg.model}: its {rope[0]} RoPE changes its frequencies past {rope[1]} positions, "
                       "and a sequence cached before it crosses them keeps the old ones while scoring applies the new "
@@ -1449,12 +1469,45 @@ def _model_errors(cfg: Config, ds) -> list[str]:
 
 
 def model_skeleton(cfg: Config):
-    """The model's modules from its config on the meta device: their names and shapes, no weights, no memory."""
+    """The model's modules from its config on the meta device, in the dtype the run loads: shapes, no weights."""
     with torch.device("meta"):
         if cfg.model is None:
             return build_tiny_model(CHAR_VOCAB, seed=cfg.seed)
         from transformers import AutoConfig, AutoModelForCausalLM
-        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(os.path.expanduser(cfg.model)))
+        dtype = torch.bfloat16 if cfg.weights == "bfloat16" else torch.float32
+        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(os.path.expanduser(cfg.model)), dtype=dtype)
+
+
+def memory_plan(cfg: Config) -> tuple[float, float]:
+    """GiB the run holds on its device before any activation, counted on the model's skeleton adapted as the run
+    adapts its model (precision, LoRA) -> (the weights, the trained weights' gradients and AdamW's two moments).
+    Activations, logits and the KV cache come on top (--max_tokens_per_microbatch and --gradient_checkpointing)."""
+    model = adapt(model_skeleton(cfg), cfg)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    training = sum(3 * p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    return weights / 2 ** 30, training / 2 ** 30
+
+
+def free_memory(device: torch.device) -> Optional[float]:
+    """GiB free on a GPU (torch.cuda.mem_get_info); None elsewhere (a CPU's memory is shared and swapped)."""
+    return torch.cuda.mem_get_info(device)[0] / 2 ** 30 if device.type == "cuda" else None
+
+
+def _memory_errors(cfg: Config, free: float) -> list[str]:
+    """A run whose weights, gradients and AdamW state alone exceed the device's free memory, with what would fit."""
+    weights, training = memory_plan(cfg)
+    if weights + training <= free:
+        return []
+    bf16 = dataclasses.replace(cfg, weights="bfloat16", dtype="bfloat16")
+    options = []  # (flags, the configuration they make)
+    if not cfg.lora_r and importlib.util.find_spec("peft"):
+        options.append(("--lora_r 16 --dtype bfloat16", dataclasses.replace(bf16, lora_r=16, lora_alpha=32)))
+    if cfg.weights != "bfloat16":
+        options.append(("--weights bfloat16 --dtype bfloat16" if not cfg.lora_r else "--dtype bfloat16", bf16))
+    fits = "; ".join(f"{flags} needs {sum(memory_plan(c)):.1f} GiB" for flags, c in options)
+    return [f"--model {cfg.model}: its weights ({weights:.1f} GiB) and the gradients and AdamW state of the weights "
+            f"it trains ({training:.1f} GiB) exceed the {free:.1f} GiB free, before any activation; "
+            f"{fits or 'a smaller model is needed'}"]
 
 
 def switching_rope(model_config) -> Optional[tuple]:
@@ -1663,6 +1716,11 @@ def start_run(cfg: Config, given: Optional[set], sampler=None, dataset=None, rew
     device = pick_device(cfg.device)
     gen = seed_everything(cfg.seed)
     sample_gen = gen if device.type == "cpu" else torch.Generator(device=device).manual_seed(cfg.seed + 1)
+    if cfg.model is not None:  # (the embedded model's few MiB: no plan to make)
+        weights, training = memory_plan(cfg)
+        free = free_memory(device)
+        print(f"memory: weights {weights:.2f} GiB, gradients and AdamW state {training:.2f} GiB, activations on top; "
+              f"{f'{free:.1f} GiB free' if free is not None else 'free memory not known'} on {device.type}")
     model, tok = load_model_and_tokenizer(cfg, device)
     steps = warm_start(model, tok, ds, cfg, gen) if cfg.model is None and not cfg.resume else 0
     model = adapt(model, cfg)  # bf16 weights, LoRA

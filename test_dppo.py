@@ -3524,8 +3524,10 @@ def test_the_sampler_runs_in_the_trainers_precision_and_the_bf16_check_refuses_a
 
 def test_gpu_speed_script_runs_at_smoke_size(warm_model, tmp_path):
     """experiments/gpu_speed.py (the prepared speed check: decode steps plain and graphed, dppo.py against TRL's
-    GRPOTrainer) runs end to end at tiny shapes on this device and reports every row it promises."""
+    GRPOTrainer, the memory of LoRA and bf16-weight steps) runs end to end at tiny shapes on this device and reports
+    every row it promises."""
     pytest.importorskip("trl")
+    pytest.importorskip("peft")
     sys.path.insert(0, os.path.join(ROOT, "experiments"))
     import gpu_speed
     res = gpu_speed.main(["--tok", warm_model[0], "--smoke", "--out", str(tmp_path)])
@@ -3535,6 +3537,8 @@ def test_gpu_speed_script_runs_at_smoke_size(warm_model, tmp_path):
     assert [(r["trainer"], "error" in r) for r in res["vs_trl"]] == [("dppo", False), ("trl", False)], res["vs_trl"]
     assert all(r["s_per_rollout"] > 0 and r["mean_len"] > 0 for r in res["vs_trl"])
     assert json.loads((tmp_path / "results.json").read_text())["vs_trl"] == res["vs_trl"]
+    assert [(r["run"], "error" in r) for r in res["memory"]] == [("tiny-lora", False), ("tiny-bf16", False)], res
+    assert all(r["plan_weights_gib"] > 0 and r["plan_training_gib"] > 0 for r in res["memory"])
 
 
 # ------------------------------------------------------------- a user's data, a Mac and a killed run (each item)
@@ -3943,3 +3947,42 @@ def test_vllm_lora_run_samples_what_it_trains(warm_model, tmp_path):
     rows = read_metrics(tmp_path)[1:]
     assert all(0 <= r["mismatch_dp_max"] < 1e-3 for r in rows)
     assert s["acc_end"] > s["acc_start"]
+
+
+@pytest.mark.parametrize("kw", [{}, {"weights": "bfloat16", "dtype": "bfloat16"}, {"lora_r": 8, "lora_alpha": 16.0}],
+                         ids=["float32", "bf16_weights", "lora"])
+def test_memory_plan_counts_what_the_run_holds_after_a_step(warm_model, kw):
+    """memory_plan, counted on the model's meta-device skeleton, equals the bytes the loaded, adapted model holds after
+    one AdamW step: its parameters; the trained ones' gradients and AdamW's two moments."""
+    if kw.get("lora_r") and importlib.util.find_spec("peft") is None:
+        pytest.skip("peft is not installed")
+    cfg = dppo.Config(model=warm_model[0], **kw)
+    model, _ = dppo.load_model_and_tokenizer(cfg, torch.device("cpu"))
+    model = dppo.adapt(model, cfg)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trained, lr=1e-3)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.dtype == "bfloat16"):
+        model(input_ids=torch.tensor([[3, 4, 5]])).logits.float().sum().backward()
+    opt.step()
+    held = sum(p.numel() * p.element_size() for p in model.parameters())
+    moments = sum(t.numel() * t.element_size() for s in opt.state.values() for k, t in s.items() if k != "step")
+    grads = sum(p.grad.numel() * p.grad.element_size() for p in trained)
+    weights, training = dppo.memory_plan(cfg)
+    assert weights * 2 ** 30 == pytest.approx(held, rel=1e-12)
+    assert training * 2 ** 30 == pytest.approx(grads + moments, rel=1e-12)
+    assert held > 0 and grads > 0
+
+
+def test_a_model_that_cannot_fit_the_device_is_refused_with_what_would(warm_model, tmp_path, monkeypatch):
+    """Weights, gradients and AdamW state above the device's free memory: one line, from validation (before any
+    weights), giving the sizes and what LoRA or bf16 weights would need; with room, the same run passes."""
+    pytest.importorskip("peft")  # (the LoRA option is offered where peft is installed)
+    weights, training = dppo.memory_plan(dppo.Config(model=warm_model[0]))
+    cfg = dppo.Config(model=warm_model[0], out_dir=str(tmp_path / "out"))
+    monkeypatch.setattr(dppo, "free_memory", lambda device: (weights + training) * 0.9)
+    says = (r"^invalid configuration: --model .*: its weights \(0\.0 GiB\) .* exceed the 0\.0 GiB free, before any "
+            r"activation; --lora_r 16 --dtype bfloat16 needs 0\.0 GiB; --weights bfloat16 --dtype bfloat16 needs")
+    with pytest.raises(dppo.ConfigError, match=says):
+        dppo.validate_config(cfg)
+    monkeypatch.setattr(dppo, "free_memory", lambda device: (weights + training) * 1.1)
+    dppo.validate_config(cfg)

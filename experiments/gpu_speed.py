@@ -11,14 +11,21 @@ directory), the prompts of examples/own_task, bf16 autocast over float32 weights
    G = 8 completions of exactly T = 128 tokens, M = 4 optimiser steps a rollout, HF sampling on both): seconds a
    rollout after one warm-up rollout (mean of three), completion tokens a second, peak GPU memory; at the 135M and
    1.7B shapes. Targets: dppo >= 2x TRL a rollout, peak memory <= TRL's.
+3. memory (issue "The models people train on one GPU"): one DPPO step, B = 16 completions of exactly 256 tokens,
+   gradient checkpointing on, bf16 autocast, under torch.cuda.set_per_process_memory_fraction: LoRA r = 16 on
+   Llama-3.1-8B's shapes (hidden 4,096, 32 layers, 32/8 heads, intermediate 14,336, V = 128,256) in 24 GiB, and full
+   fine-tuning with bf16 weights on Llama-3.2-3B's shapes in 80 GiB; the peak beside dppo.memory_plan's figures.
+   Targets: each peak within its cap; the plan within 15 % of the peak (it counts weights, gradients and AdamW
+   state only, so the activations make up the rest). Random weights are built on the GPU (no checkpoint on disk).
 
     python experiments/gpu_speed.py --tok DIR                  # on one GPU: both, ~6 minutes on an H200 (unmeasured)
     python experiments/gpu_speed.py --tok DIR --smoke          # tiny shapes, any device: checks the script itself
-    python experiments/gpu_speed.py --tok DIR --only decode    # one of them
+    python experiments/gpu_speed.py --tok DIR --only decode    # one of them (decode, vs_trl, memory)
 
 No timing here is asserted; results go to runs/gpu_speed/results.json and a Markdown table on stdout.
 """
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -171,6 +178,69 @@ def vs_trl(tok_dir: str, smoke: bool) -> list:
     return rows
 
 
+# --- 3. memory ------------------------------------------------------------------------------------------------
+MEMORY_RUNS = {  # name: (hidden, layers, query heads, key-value heads, intermediate, vocab, GiB cap, flags)
+    "tiny-lora": (64, 2, 4, 2, 128, 50000, None, dict(lora_r=4, lora_alpha=8.0)),
+    "tiny-bf16": (64, 2, 4, 2, 128, 50000, None, dict(weights="bfloat16")),
+    "llama-8b-lora": (4096, 32, 32, 8, 14336, 128256, 24, dict(lora_r=16, lora_alpha=32.0)),
+    "llama-3b-bf16": (3072, 28, 24, 8, 8192, 128256, 80, dict(weights="bfloat16")),
+}
+
+
+def memory(tok_dir: str, smoke: bool) -> list:
+    """One step of each MEMORY_RUNS entry: the model's config (and the tokenizer) in a directory, its random weights
+    built on the device in place of loading them; the peak allocated memory against the cap and the plan."""
+    from datasets import Dataset, DatasetDict
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    T = 8 if smoke else 256
+    rows, load = [], dppo.load_model_and_tokenizer
+    for name in [n for n in MEMORY_RUNS if n.startswith("tiny") == smoke]:
+        hidden, layers, heads, kv_heads, inter, vocab, cap, flags = MEMORY_RUNS[name]
+        config = AutoConfig.from_pretrained(tok_dir)
+        config.update(dict(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads, vocab_size=vocab,
+                           num_key_value_heads=kv_heads, intermediate_size=inter, tie_word_embeddings=False,
+                           max_position_embeddings=max(getattr(config, "max_position_embeddings", 0), 2048)))
+        model_dir = tempfile.mkdtemp(prefix=f"gpu_memory-{name}-")
+        config.save_pretrained(model_dir)
+        AutoTokenizer.from_pretrained(tok_dir).save_pretrained(model_dir)
+
+        def random_weights(cfg, dev, config=config):  # the loader, minus the checkpoint: random weights
+            with torch.device(dev):
+                dtype = torch.bfloat16 if cfg.weights == "bfloat16" else torch.float32  # (as the loader's)
+                model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+            return model, dppo.load_tokenizer(cfg)
+        ds = Dataset.from_list([{"prompt": p} for p in own_task_prompts()])
+        cfg = dppo.Config(model=model_dir, steps=1, prompts_per_step=2, group_size=8, num_minibatches=1,
+                          max_new_tokens=T, dtype="bfloat16", gradient_checkpointing=True, eval_size=2,
+                          eval_every=2, save_every=2, device=device.type, quiet=True, **flags)
+        row = {"run": name, "cap_gib": cap}
+        try:
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
+                total = torch.cuda.get_device_properties(device).total_memory / 2 ** 30
+                torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total) if cap else 1.0)
+            dppo.load_model_and_tokenizer = random_weights
+            with tempfile.TemporaryDirectory() as out:
+                dppo.train(dataclasses.replace(cfg, out_dir=out),
+                           dataset=DatasetDict(train=ds, test=ds.select(range(2))), reward_fn=varied_reward)
+            planned = dppo.memory_plan(dppo.with_model_defaults(cfg))
+            row.update(plan_weights_gib=planned[0], plan_training_gib=planned[1])
+            if device.type == "cuda":
+                row["peak_gib"] = torch.cuda.max_memory_allocated() / 2 ** 30
+                row["plan_share_of_peak"] = sum(planned) / row["peak_gib"]
+        except Exception as e:  # an out-of-memory error under the cap is a result too
+            row["error"] = dppo._why(e)
+        finally:
+            dppo.load_model_and_tokenizer = load
+            if device.type == "cuda":
+                torch.cuda.set_per_process_memory_fraction(1.0)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
 def markdown(rows: list) -> str:
     keys = list(dict.fromkeys(k for r in rows for k in r))
     fmt = [f"{r.get(k):.3g}" if isinstance(r.get(k), float) else str(r.get(k, "")) for r in rows for k in keys]
@@ -183,13 +253,13 @@ def main(argv=None) -> dict:
     args = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     args.add_argument("--tok", required=True, help="a tokenizer directory (SmolLM2's)")
     args.add_argument("--smoke", action="store_true", help="tiny shapes on any device: checks the script")
-    args.add_argument("--only", default="decode,vs_trl")
+    args.add_argument("--only", default="decode,vs_trl,memory")
     args.add_argument("--out", default=os.path.join("runs", "gpu_speed"))
     args = args.parse_args(argv)
     results = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                "torch": torch.__version__}
     for name in args.only.split(","):
-        results[name] = {"decode": decode, "vs_trl": vs_trl}[name](args.tok, args.smoke)
+        results[name] = {"decode": decode, "vs_trl": vs_trl, "memory": memory}[name](args.tok, args.smoke)
         print(f"\n{name}\n{markdown(results[name])}\n", flush=True)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "results.json"), "w") as f:
