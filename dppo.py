@@ -1096,54 +1096,74 @@ SCORING_GAP = {"float32": 1e-3, "bfloat16": 32 * torch.finfo(torch.bfloat16).eps
 @torch.no_grad()
 def check_scoring(model, name: str = "the model", temperature: float = 1.0, dtype: str = "float32",
                   sampler=None) -> bool:
-    """The load-time check of the model in hand on a few tokens -> via_head for policy_logprobs. The model must be
-    causal (its scores of earlier tokens do not change with a later token: not a BERT loaded as a decoder);
-    via_head: whether its logits are its head applied to its decoder's last hidden state (True: the chunked head
-    path) or not (False: its own logits; a cap or scale after the head, or no decoder to be found); both in float32
-    (bf16 weights: in bf16 autocast). Then tokens `sampler` (default sample_with_topk) samples from left-padded,
-    repeated prompts must score the same under policy_logprobs in the trainer's mode (scoring_mode) and precision
-    (dtype), within SCORING_GAP[dtype].
-    Else ConfigError, one line naming the model class and the gap."""
-    V, device, was_training = model.get_output_embeddings().weight.shape[0], model.device, model.training
+    """The load-time check of the model in hand, on a few tokens -> via_head for policy_logprobs.
+    Three checks in turn: the model is causal; how its logits are made; what it samples, it scores.
+    A failure is a ConfigError, one line naming the model class."""
+    was_training = model.training
     model.eval()
-    ids = torch.arange(3, 9, device=device)[None] % V                              # (1, 6)
-    prompts = torch.cat([ids, (ids + 1) % V], dim=0)                               # (2, 6)
-    prompts[1, :-1] = ids[0, :-1]                                                  # row 2: only the last token differs
-    bf16_weights = any(p.dtype == torch.bfloat16 for p in model.parameters())     # (then no float32 path to check)
-    with trainer_precision(device, "bfloat16" if bf16_weights else "float32"):
-        logits = model(input_ids=prompts, use_cache=False).logits.float()         # (2, 6, V)
-    scale = 1.0 + float(logits.abs().max())
-    if float((logits[0, :-1] - logits[1, :-1]).abs().max()) > 1e-4 * scale:  # float32 noise: ~1e-7
-        raise ConfigError(f"{name} ({type(model).__name__}) is not a causal decoder: its scores of earlier tokens "
-                          "change with a later token; DPPO needs a causal language model")
+    bf16_weights = any(p.dtype == torch.bfloat16 for p in model.parameters())  # (then no float32 path to check)
     try:
-        with trainer_precision(device, "bfloat16" if bf16_weights else "float32"):
-            hidden = model.get_decoder()(input_ids=prompts, use_cache=False).last_hidden_state  # (2, 6, H)
-            via_head = float((model.get_output_embeddings()(hidden).float() - logits).abs().max()) <= 1e-5 * scale
-    except (AttributeError, TypeError, ValueError):  # no decoder to be found, or one that is not the decoder
-        via_head = False
-    prompts = prompts[[0, 1, 0, 1]]                                                # (4, 6) prompts twice each
-    mask = torch.ones_like(prompts)
-    mask[1:3, :2] = 0                                                              # two rows left-padded
-    try:
-        precisions = [dtype] if bf16_weights else ["float32", dtype]  # float32 first: a defect shows above rounding
-        for precision in dict.fromkeys(precisions):
-            with trainer_precision(device, precision):  # (the sampler puts the model in eval mode again)
-                ro = (sampler or sample_with_topk)(model, prompts, mask, max_new_tokens=6, temperature=temperature,
-                                                   topk=0, eos_token_id=-1, pad_token_id=0,
-                                                   generator=torch.Generator(device).manual_seed(0))
-                scoring_mode(model)  # the trainer's mode
-                logp, _ = policy_logprobs(model, prompts, mask, ro.completion_ids, ro.completion_mask,
-                                          temperature=temperature, via_head=via_head)
-            gap = float((logp - ro.logp_mu).abs().max())
-            allowed = SCORING_GAP["bfloat16 weights" if bf16_weights else precision]
-            if not gap <= allowed:
-                raise ConfigError(f"{name} ({type(model).__name__}) scores the tokens it sampled {gap:.3g} apart in "
-                                  f"log-prob before any update in {precision} (allowed {allowed:g}): "
-                                  "DPPO's mu and pi would differ from step 0")
+        with trainer_precision(model.device, "bfloat16" if bf16_weights else "float32"):
+            logits = check_causal(model, name)
+            via_head = logits_are_head_on_decoder(model, logits)
+        check_sampled_as_scored(model, name, temperature, dtype, sampler, via_head, bf16_weights)
     finally:
         model.train(was_training)
     return via_head
+
+
+def _check_prompts(model) -> torch.Tensor:
+    """Two 6-token prompts (2, 6) that differ only in their last token."""
+    V = model.get_output_embeddings().weight.shape[0]
+    ids = torch.arange(3, 9, device=model.device)[None] % V                        # (1, 6)
+    prompts = torch.cat([ids, (ids + 1) % V], dim=0)                               # (2, 6)
+    prompts[1, :-1] = ids[0, :-1]
+    return prompts
+
+
+def check_causal(model, name: str) -> torch.Tensor:
+    """The model's scores of earlier tokens do not change with a later token (not a BERT loaded as a decoder).
+    -> its logits (2, 6, V) on _check_prompts, float32."""
+    logits = model(input_ids=_check_prompts(model), use_cache=False).logits.float()  # (2, 6, V)
+    if float((logits[0, :-1] - logits[1, :-1]).abs().max()) > 1e-4 * (1.0 + float(logits.abs().max())):
+        raise ConfigError(f"{name} ({type(model).__name__}) is not a causal decoder: its scores of earlier tokens "
+                          "change with a later token; DPPO needs a causal language model")  # (float32 noise: ~1e-7)
+    return logits
+
+
+def logits_are_head_on_decoder(model, logits: torch.Tensor) -> bool:
+    """via_head: whether the model's logits (on _check_prompts) are its head applied to its decoder's last hidden
+    state. False: a cap or scale after the head, or no decoder to be found; it is then scored from its own logits."""
+    try:
+        hidden = model.get_decoder()(input_ids=_check_prompts(model), use_cache=False).last_hidden_state  # (2, 6, H)
+    except (AttributeError, TypeError, ValueError):  # no decoder to be found, or one that is not the decoder
+        return False
+    gap = float((model.get_output_embeddings()(hidden).float() - logits).abs().max())
+    return gap <= 1e-5 * (1.0 + float(logits.abs().max()))
+
+
+def check_sampled_as_scored(model, name: str, temperature: float, dtype: str, sampler, via_head: bool,
+                            bf16_weights: bool) -> None:
+    """Tokens `sampler` (default sample_with_topk) samples from left-padded, repeated prompts score the same under
+    policy_logprobs in the trainer's mode (scoring_mode) and precision, within SCORING_GAP: in float32 first (a defect
+    shows there above rounding), then in dtype; bf16 weights have only the bf16 path."""
+    prompts = _check_prompts(model)[[0, 1, 0, 1]]                                  # (4, 6) prompts twice each
+    mask = torch.ones_like(prompts)
+    mask[1:3, :2] = 0                                                              # two rows left-padded
+    for precision in dict.fromkeys([dtype] if bf16_weights else ["float32", dtype]):
+        with trainer_precision(model.device, precision):  # (the sampler puts the model in eval mode again)
+            ro = (sampler or sample_with_topk)(model, prompts, mask, max_new_tokens=6, temperature=temperature,
+                                               topk=0, eos_token_id=-1, pad_token_id=0,
+                                               generator=torch.Generator(model.device).manual_seed(0))
+            scoring_mode(model)  # the trainer's mode
+            logp, _ = policy_logprobs(model, prompts, mask, ro.completion_ids, ro.completion_mask,
+                                      temperature=temperature, via_head=via_head)
+        gap = float((logp - ro.logp_mu).abs().max())
+        allowed = SCORING_GAP["bfloat16 weights" if bf16_weights else precision]
+        if not gap <= allowed:
+            raise ConfigError(f"{name} ({type(model).__name__}) scores the tokens it sampled {gap:.3g} apart in "
+                              f"log-prob before any update in {precision} (allowed {allowed:g}): "
+                              "DPPO's mu and pi would differ from step 0")
 
 
 # --- The graphed decode step (CUDA): a static KV cache, each step replayed as a CUDA graph --------------------

@@ -3988,3 +3988,13 @@ def test_a_model_that_cannot_fit_the_device_is_refused_with_what_would(warm_mode
         dppo.validate_config(cfg)
     monkeypatch.setattr(dppo, "free_memory", lambda device: (weights + training) * 1.1)
     dppo.validate_config(cfg)
+
+
+def test_a_refused_load_check_leaves_the_model_in_its_mode(broken_model_dirs):
+    """check_scoring refusing a model that is not causal (BERT, loaded as a decoder) leaves it in the mode it was in
+    (train), as a passing check does."""
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(broken_model_dirs / "bert").train()
+    with pytest.raises(dppo.ConfigError, match="is not a causal decoder"):
+        dppo.check_scoring(model, "bert")
+    assert model.training
