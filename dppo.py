@@ -1066,7 +1066,7 @@ def held_in(model, cfg: Config) -> str:
     if not cfg.lora_r:
         return f"weights and AdamW state in {cfg.weights}{' (the head in float32)' if cfg.weights != 'float32' else ''}"
     trained = [p for p in model.parameters() if p.requires_grad]
-    frozen = sorted({str(p.dtype)[6:] for p in model.parameters() if not p.requires_grad})
+    frozen = sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters() if not p.requires_grad})
     merge = ", model/ the adapters: PeftModel.from_pretrained(base, dir).merge_and_unload()" if cfg.model else ""
     return (f"LoRA r {cfg.lora_r} alpha {cfg.lora_alpha:g} on {cfg.lora_targets} ({sum(p.numel() for p in trained):,} "
             f"weights trained, with AdamW state, in float32; the rest frozen in {'/'.join(frozen)}{merge})")
@@ -1585,7 +1585,11 @@ def with_model_defaults(cfg: Config) -> Config:
     if weights == "auto":
         gpu_bf16 = cfg.dtype == "bfloat16" and pick_device(cfg.device).type == "cuda"
         weights = "bfloat16" if cfg.lora_r and gpu_bf16 else "float32"
-    lr = cfg.lr or ((1e-3 if toy else 1e-5) if cfg.lora_r else (1e-4 if toy else 1e-6))  # LoRA: larger, as usual
+    if cfg.lora_r:  # adapters take a larger lr, as usual
+        default_lr = 1e-3 if toy else 1e-5
+    else:
+        default_lr = 1e-4 if toy else 1e-6  # a pretrained model: TRL's GRPO default
+    lr = cfg.lr or default_lr
     return dataclasses.replace(cfg, lr=lr, vllm_dtype=vllm_dtype, max_new_tokens=budget, eval_batch_size=batch,
                                weights=weights, lora_alpha=cfg.lora_alpha or (2 * cfg.lora_r if cfg.lora_r else None))
 

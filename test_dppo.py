@@ -3089,12 +3089,8 @@ def zoo_model(name, dropout=0.0, seed=0, V=ZOO_V):
             del kw["num_key_value_heads"], kw["max_position_embeddings"]
         model = model_cls(config_cls(**kw))
     if name == "llama_lora_head":  # a peft LoRA adapter on the head (and the attention's q, v), B moved off 0
-        peft = pytest.importorskip("peft")
-        model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj", "lm_head"]))
-        with torch.no_grad():
-            for n, p in model.named_parameters():
-                if "lora_B" in n:
-                    p.normal_(std=0.5, generator=torch.Generator().manual_seed(seed))
+        pytest.importorskip("peft")
+        model = lora_on(model, r=4, seed=seed, targets=["q_proj", "v_proj", "lm_head"], std=0.5)
     if hasattr(model.config, "_experts_implementation"):
         model.config._experts_implementation = "eager"  # (grouped_mm has no float64 kernel)
     model.eval()
@@ -3805,14 +3801,14 @@ def test_lora_targets_peft_cannot_adapt_are_refused_before_the_weights(tmp_path)
     dppo.validate_config(dataclasses.replace(cfg, lora_targets="in_proj,x_proj"))  # these it can
 
 
-def lora_on(model, r=4, seed=0, targets="all-linear"):
+def lora_on(model, r=4, seed=0, targets="all-linear", std=0.3):
     """peft LoRA on `targets` (default every linear layer of the decoder), B drawn off 0 (a trained adapter)."""
     import peft
     model = peft.get_peft_model(model, peft.LoraConfig(r=r, lora_alpha=2 * r, target_modules=targets))
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_B" in name:
-                p.normal_(std=0.3, generator=torch.Generator().manual_seed(seed))
+                p.normal_(std=std, generator=torch.Generator().manual_seed(seed))
     return model
 
 
