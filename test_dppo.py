@@ -1995,13 +1995,94 @@ def test_cli_help_and_bad_flags(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------ notebook
+NOTEBOOK = os.path.join(ROOT, "walkthrough.ipynb")
+
+
+def _notebook_cells():
+    import nbformat
+    return nbformat.read(NOTEBOOK, as_version=4).cells
+
+
+def _printed(cell) -> str:
+    """What a code cell printed (its stream and plain-text outputs)."""
+    return "\n".join(o.get("text", "") or o.get("data", {}).get("text/plain", "") for o in cell.get("outputs", []))
+
+
+SUPERSCRIPT = str.maketrans("⁰¹²³⁴⁵⁶⁷⁸⁹⁻", "0123456789-")
+NUMBER = re.compile(r"(?<![\w.^])[-−+]?\d[\d,]*(?:\.\d+)?(?:e[-−+]?\d+)?(?:\s?%)?")
+
+
+def _numbers(text: str) -> list[tuple]:
+    """(value, decimals written (None: in e-notation), percent?, signed?) of each number in text; 'a × 10⁻ⁿ' and
+    '10⁻ⁿ' read as aen and 1en, '32,000' as 32000."""
+    text = re.sub(r"(\d(?:\.\d+)?)\s*×\s*10([⁻⁰-⁹]+)", lambda m: m[1] + "e" + m[2].translate(SUPERSCRIPT), text)
+    text = re.sub(r"(?<![\d.])10([⁻⁰¹²³⁴⁵⁶⁷⁸⁹]+)", lambda m: "1e" + m[1].translate(SUPERSCRIPT), text)
+    found = []
+    for match in NUMBER.finditer(text):
+        written = match[0].replace("−", "-").replace(" ", "")
+        core = written.rstrip("%").lstrip("+")
+        core = core.replace(",", "") if re.fullmatch(r"-?\d{1,3}(,\d{3})+", core) else core.split(",")[0]
+        decimals = None if "e" in core else len(core.partition(".")[2])
+        found.append((float(core), decimals, written.endswith("%"), written[0] in "-+"))
+    return found
+
+
+def _stated(markdown: str) -> list[tuple]:
+    """The numbers a markdown cell states as results: not in math, code, hidden solutions, citations, headings,
+    list markers, or the names of equations, sections, theorems, steps and rows; nor in a sentence citing the
+    paper's own figures."""
+    t = re.sub(r"\$\$.*?\$\$|\$[^$]*\$|<details>.*?</details>|```.*?```|`[^`]*`", " ", markdown, flags=re.S)
+    t = re.sub(r"arXiv:\S+|ICML \d+|PMLR \d+", " ", t)
+    t = re.sub(r"\b(Eqs?\.|Thm|App\.|[Ss]ections?|[Ee]xercises?|[Ss]teps?|[Rr]ows?|[Mm]ini-batch(es)?|[Aa]ppendix)"
+               r"\s+[\dA-Z][\d.]*((\s*[–-]\s*|,\s*)\d[\d.]*)*", " ", t)
+    t = re.sub(r"(?m)^#+.*$|^\s*\d+\.\s", " ", t)
+    t = " ".join(s for s in re.split(r"(?<=[.;:])\s+", t) if "the paper" not in s and "The paper" not in s)
+    return _numbers(t)
+
+
+def _shown(claim, candidates) -> bool:
+    """A stated number is shown by a candidate that rounds to it at its written precision (a percentage also by a
+    fraction, and the reverse); a signed one only by one of its sign; one in e-notation within 5 %."""
+    value, decimals, percent, signed = claim
+    for other, _, other_percent, _ in candidates:
+        y = other * (100 if percent and not other_percent else 0.01 if other_percent and not percent else 1)
+        if decimals is None and abs(y - value) <= 0.05 * abs(value):
+            return True
+        if decimals is not None and round(abs(y), decimals) == round(abs(value), decimals) and (
+                not signed or value == 0 or (y < 0) == (value < 0)):
+            return True
+    return False
+
+
+def _names(tree):
+    """(names a cell binds at its top level, names it reads that it does not bind); a function's parameters and
+    locals are its own."""
+    import ast
+    bound, read = set(), set()
+
+    def visit(node):
+        if isinstance(node, (ast.FunctionDef, ast.Lambda)):
+            if isinstance(node, ast.FunctionDef):
+                bound.add(node.name)
+            own = {a.arg for a in ast.walk(node.args) if isinstance(a, ast.arg)}
+            own |= {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+            read.update(n.id for n in ast.walk(node) if isinstance(n, ast.Name) and n.id not in own)
+            return
+        if isinstance(node, ast.Name):
+            (read if isinstance(node.ctx, ast.Load) else bound).add(node.id)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            bound.update((a.asname or a.name).split(".")[0] for a in node.names)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+    visit(tree)
+    return bound, read - bound
 
 
 def test_walkthrough_notebook_reads_in_short_steps():
     """Every code cell is introduced by prose and at most 30 lines; every markdown cell holds at most one section
-    heading and about 250 words at most; the cells are committed executed (outputs present)."""
-    import nbformat
-    cells = nbformat.read(os.path.join(ROOT, "walkthrough.ipynb"), as_version=4).cells
+    heading and about 250 words at most; the cells are committed executed (outputs present). The main path, before
+    the appendix, holds the loss the learner writes and the live run that trains with it."""
+    cells = _notebook_cells()
     for i, cell in enumerate(cells):
         if cell.cell_type == "code":
             assert cells[i - 1].cell_type == "markdown" and len(cell.source.splitlines()) <= 30, cell.source[:80]
@@ -2009,53 +2090,96 @@ def test_walkthrough_notebook_reads_in_short_steps():
         else:
             assert len(cell.source.split()) <= 260, cell.source[:80]
             assert sum(line.startswith("## ") for line in cell.source.splitlines()) <= 1, cell.source[:80]
+    appendix = next(i for i, c in enumerate(cells) if c.source.startswith("## Appendix"))
+    main = [c.source for c in cells[:appendix] if c.cell_type == "code"]
+    assert any("def my_dppo_loss(" in s for s in main)
+    assert any("loss_fn=loss_fn" in s and "my_rows_loss" in s and "ratio_clip" in s for s in main)
+    assert appendix < 0.7 * len(cells)  # the main path is well under the whole
 
 
-def test_walkthrough_evidence_summary_holds():
-    """Section 12 of the notebook summarises the four studies' stored results; each claim it makes, checked on the
-    stored data with the studies' own interval functions (these are the thresholds the notebook does not assert)."""
+def test_walkthrough_prose_numbers_are_printed_above():
+    """Every number the prose states (as far as a regular expression can find one: not equation or section
+    numbers, math, code or hidden solutions) is printed by a code cell above it, written in one, or set in the cell
+    the prose introduces; at the precision the prose writes it."""
+    cells, seen, unshown = _notebook_cells(), [], []
+    for i, cell in enumerate(cells):
+        if cell.cell_type == "code":
+            seen += _numbers(cell.source) + _numbers(_printed(cell))
+            continue
+        introduced = next((c.source for c in cells[i + 1:] if c.cell_type == "code"), "")
+        unshown += [(i, claim) for claim in _stated(cell.source) if not _shown(claim, seen + _numbers(introduced))]
+    assert unshown == []
+
+
+def test_walkthrough_stated_numbers_check_catches_an_unprinted_one():
+    """The check above fails on a number no cell shows, and on a sign or a rounding it does not have."""
+    printed = _numbers("masked 0.0312 of tokens; fell by -0.097 [-0.171, -0.024]; 69% had mu < 0.15")
+    assert all(_shown(c, printed) for c in _stated("3.1 % masked, a fall of −0.097, 69 % rare, 0.15"))
+    for wrong in ("0.0313 masked", "+0.097", "70 % rare", "0.16"):
+        assert not all(_shown(c, printed) for c in _stated(wrong)), wrong
+    assert _stated("Eq. 12, section 4, Thm 3.2 (App. F.4) and `lr=1e-4`") == []
+
+
+def test_walkthrough_cells_rerun_without_rebound_names():
+    """A name that a cell reads from an earlier cell is bound by that one cell alone, so that going back to re-run
+    any cell after later ones reads what it read the first time."""
+    import ast
+    code_cells = [(i, _names(ast.parse(c.source))) for i, c in enumerate(_notebook_cells()) if c.cell_type == "code"]
+    rebound = [(i, name) for i, (_, reads) in code_cells for name in sorted(reads)
+               if sum(name in bound for _, (bound, _) in code_cells) > 1]
+    assert rebound == []
+    early, late = _names(ast.parse("x = 1")), _names(ast.parse("def f(y):\n    return x + y\nz = f(2)"))
+    assert early[0] == {"x"} and late == ({"f", "z"}, {"x"})  # what the check reads: f's y is its own
+
+
+def test_walkthrough_evidence_matches_stored_results():
+    """Appendix F's printed contrasts are the stored studies' results, recomputed here from the JSON files with the
+    studies' own interval and verdict functions; and what its summary states of them holds."""
     sys.path.insert(0, os.path.join(ROOT, "experiments"))
     import mismatch as mm
     load = lambda name: json.load(open(os.path.join(ROOT, "experiments", name)))  # noqa: E731
-    grid, study, dose = load("mismatch.json"), load("offpolicy.json"), load("mismatch_dose.json")
-    fell = sum(any(max(x[:i + 1]) - x[i] >= 0.2 - 1e-9 for i in range(len(x)))
-           for x in ([a for _, a in s["acc"]] for s in grid))  # runs that fell 20 points
-    assert fell > len(grid) / 2                                             # most runs strained at lr 4e-4
-    for p in ("float32", "float8"):                                         # a trust region beat none
-        assert mm.interval(mm.paired(grid, p, "dppo_tv", "pg_is"))[1] > 0
-    lead = [mm.paired(grid, p, "dppo_tv", "pg_is") for p in ("float8", "float32")]
-    _, lo, hi = mm.interval([a - b for a, b in zip(*lead)])
-    assert lo < 0 < hi                                                      # whether it comes from the mismatch: open
-    assert abs(mm.interval(mm.paired(grid, "float32", "dppo_tv", "dppo_tv_old"))[0]) > 0.05  # A/A: points apart
-    def final(v, lr, lag):  # mean final accuracy over a cell's 3 seeds, at depth 16
-        return sum(s["final"] for s in study if (s["variant"], s["lr"], s["lag"], s["depth"]) == (v, lr, lag, 16)) / 3
-
-    lrs = sorted({s["lr"] for s in study})
-    for lr in lrs:
-        for lag in (0, 2):
-            assert final("pg_is", lr, lag) < min(final(v, lr, lag) for v in ("dppo_tv", "dppo_kl", "ratio_clip",
-                                                                             "dppo_tv_old"))
-        assert final("dppo_tv", lr, 2) > final("dppo_tv_old", lr, 2)       # stale mu: the rollout anchor ahead
-    assert all(final("ratio_clip", lrs[0], lag) > max(final("dppo_tv", lrs[0], lag), final("dppo_kl", lrs[0], lag))
-               for lag in (0, 2))                                           # ratio clip ahead at 1e-4 ...
-    assert any(final(v, lrs[1], lag) > final("ratio_clip", lrs[1], lag) for v in ("dppo_tv", "dppo_kl")
-               for lag in (0, 2))                                           # ... not at 2e-4
+    cells = _notebook_cells()
+    evidence = "\n".join(_printed(c) for c in cells[next(i for i, c in enumerate(cells)
+                                                         if c.source.startswith("## Appendix F")):])
+    grid, rerun, study = load("mismatch.json"), load("mismatch_groups.json"), load("offpolicy.json")
+    calls = {}
+    for label, runs in [("grid", grid), ("rerun", rerun)]:
+        for p in ("float32", "bfloat16", "float8"):
+            m, lo, hi = mm.interval(mm.paired(runs, p, "dppo_tv", "ratio_clip"))
+            calls[label, p] = mm.verdict(lo, hi)
+            assert f"{label:>5}, {p:>8} sampler: {m:+.3f} [{lo:+.3f}, {hi:+.3f}] {calls[label, p]}" in evidence
+            assert m < 0                                                     # DPPO-TV behind in all six
+    assert sorted(k for k, v in calls.items() if v == "worse") == [("grid", "float8"), ("rerun", "float32")]
+    for lag in (0, 2):
+        cell = [s for s in study if (s["lr"], s["lag"], s["depth"]) == (1e-4, lag, 16)]
+        final = {(s["variant"], s["seed"]): s["final"] for s in cell}
+        diffs = [final["ratio_clip", k] - final["dppo_tv", k] for k in sorted({k for _, k in final})]
+        assert f"lag {lag}: " + ", ".join(f"{d:+.3f}" for d in diffs) in evidence
+        assert min(diffs) > 0                                                # ratio clip above on every seed
+    for p in ("float32", "float8"):                                          # a trust region beat none
+        m, lo, hi = mm.interval(mm.paired(grid, p, "dppo_tv", "pg_is"))
+        assert f"{p} {m:+.3f} [{lo:+.3f}, {hi:+.3f}]" in evidence and lo > 0
+    for p in ("float32", "bfloat16", "float8"):                               # the anchors: undecided everywhere
+        m, lo, hi = mm.interval(mm.paired(grid, p, "dppo_tv", "dppo_tv_old"))
+        assert f"{p} {m:+.3f} [{lo:+.3f}, {hi:+.3f}] undecided" in evidence
+    real = {s["variant"]: [r for r in s["rows"] if "tokens_masked" in r] for s in load("real_model.json")["runs"]}
+    low = {v: sum(r["masked_low_mu"] * r["tokens_masked"] for r in real[v]) / sum(r["tokens_masked"] for r in real[v])
+           for v in ("ratio_clip_fp8", "dppo_tv_fp8")}
+    for variant, share in low.items():
+        assert f"{variant}: {share:.0%}" in evidence
+    assert low["ratio_clip_fp8"] > 0.5 > low["dppo_tv_fp8"]                 # the paper's majority claim, one seed
+    dose = load("mismatch_dose.json")
     auc = {(s["cell"], s["engine"], s["seed"]): s["auc"] for s in dose}
     gap = {e: [auc["pg_is", e, k] - auc["dppo_tv", e, k] for k in range(12)] for e in ("float32", "amplified")}
-    _, lo, hi = mm.interval([a - f for a, f in zip(gap["amplified"], gap["float32"])])
-    assert lo < 0 < hi and hi - lo > 1.5 * 2 * 0.02                         # undecided; ~twice the margin's width
-    per = load("mismatch_dose_mechanism.json")["per_rollout"]
-    seen = [r for r in per if r["ratio clip: masked tokens"] > 0]
-    assert len(seen) == 2 and len(per) == 8
-    mean = lambda key: sum(r[key] for r in seen) / len(seen)  # noqa: E731
-    assert mean("masked by ratio clip") > 0.5 > mean("bindable tokens") and mean("masked by DPPO-TV") == 0
+    m, lo, hi = mm.interval([a - f for a, f in zip(gap["amplified"], gap["float32"])])
+    assert f"{m:+.3f} [{lo:+.3f}, {hi:+.3f}]" in evidence and lo < 0 < hi    # the dose study: undecided
 
 
 def test_walkthrough_notebook_executes():
     """walkthrough.ipynb runs top to bottom headless (nbclient); every plotting cell shows its figure."""
     import nbformat
     from nbclient import NotebookClient
-    nb = nbformat.read(os.path.join(ROOT, "walkthrough.ipynb"), as_version=4)
+    nb = nbformat.read(NOTEBOOK, as_version=4)
     NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": ROOT}}).execute()
     for cell in nb.cells:
         if cell.cell_type == "code" and "plt.show()" in cell.source:
