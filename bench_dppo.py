@@ -175,14 +175,14 @@ def bench_capture(args, device):
 def bench_loss(args, device):
     V, K, B, T, P = args.loss_vocab, args.k, args.batch, max(args.lengths), 16
     model = narrow_model(V, device).train()
-    via_head = dppo.check_scoring(model)  # as train() decides: the head on the decoder, in time-chunks
+    through_head = dppo.check_scoring(model)  # as train() decides: the head on the decoder, in time-chunks
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(2, V, (B, P), generator=g).to(device)
     prompt_mask = torch.ones_like(prompt)
     comp = torch.randint(2, V, (B, T), generator=g).to(device)
     comp_mask = torch.ones(B, T, device=device)
     with torch.no_grad():
-        logp_mu, tk_mu = dppo.policy_logprobs(model, prompt, prompt_mask, comp, comp_mask, via_head=via_head,
+        logp_mu, tk_mu = dppo.policy_logprobs(model, prompt, prompt_mask, comp, comp_mask, through_head=through_head,
                                               topk_ids=torch.randint(2, V, (B, T, K), generator=g).to(device))
     topk_ids = torch.cat([comp[..., None], torch.randint(2, V, (B, T, K - 1), generator=g).to(device)], -1)
     tk_mu = torch.cat([logp_mu[..., None], tk_mu[..., 1:]], -1)  # a_t in slot 0, like the sampler's capture
@@ -190,7 +190,7 @@ def bench_loss(args, device):
 
     def step(kind):
         topk = kind.startswith("topk")
-        logp, tk = dppo.policy_logprobs(model, prompt, prompt_mask, comp, comp_mask, via_head=via_head,
+        logp, tk = dppo.policy_logprobs(model, prompt, prompt_mask, comp, comp_mask, through_head=through_head,
                                         topk_ids=topk_ids if topk else None)
         if kind == "ratio_clip":
             loss, _ = dppo.ratio_clip_loss(logp, logp_mu, adv, comp_mask)
@@ -222,7 +222,7 @@ def bench_train_step(args, device):
     gen = dppo.seed_everything(0)
     ds, reward_fn = dppo.load_task(cfg)
     model, tok = dppo.load_model_and_tokenizer(cfg, device)
-    via_head = dppo.check_scoring(model)
+    through_head = dppo.check_scoring(model)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, fused=device.type in ("cpu", "cuda"))
     rows = ds["train"][list(range(cfg.prompts_per_step))]
     batch = dppo.collect_rollout(model, tok, rows, reward_fn, cfg, generator=gen)
@@ -232,11 +232,11 @@ def bench_train_step(args, device):
             for idx in torch.arange(len(batch.advantages)).chunk(cfg.num_minibatches):
                 dppo.policy_logprobs(model, batch.prompt_ids[idx], batch.prompt_mask[idx],
                                      batch.rollout.completion_ids[idx], batch.rollout.completion_mask[idx],
-                                     via_head=via_head)
+                                     through_head=through_head)
 
     res = measure({"sample": lambda: dppo.collect_rollout(model, tok, rows, reward_fn, cfg, generator=gen),
                    "score": scoring,
-                   "update": lambda: dppo.update_policy(model, opt, batch, cfg, gen, via_head=via_head)},
+                   "update": lambda: dppo.update_policy(model, opt, batch, cfg, gen, through_head=through_head)},
                   device, args.repeats)
     (t_sample, _), (t_score, _), (t_update, _) = res["sample"], res["score"], res["update"]
     total = t_sample + t_update
@@ -258,7 +258,7 @@ def bench_microbatch_memory(args, device):
     mini-batches of n sequences under token budgets: it should follow the budget, not n."""
     V, P, T = args.loss_vocab, 8, max(args.lengths)
     model = narrow_model(V, device)
-    via_head = dppo.check_scoring(model)
+    through_head = dppo.check_scoring(model)
     opt = torch.optim.SGD(model.parameters(), lr=1e-6)
     rows = []
     for budget in args.budgets:
@@ -272,8 +272,8 @@ def bench_microbatch_memory(args, device):
                                torch.zeros(n), torch.randn(n, generator=g).to(device))
             batch.prompt_ids, batch.prompt_mask = batch.prompt_ids.to(device), batch.prompt_mask.to(device)
             cfg = dppo.Config(num_minibatches=1, group_size=n, max_tokens_per_microbatch=budget)
-            (sec, mb), = measure({"step": lambda: dppo.update_policy(model, opt, batch, cfg, g, via_head=via_head)},
-                                 device, 1).values()
+            step = {"step": lambda: dppo.update_policy(model, opt, batch, cfg, g, through_head=through_head)}
+            (sec, mb), = measure(step, device, 1).values()
             micro = len(dppo.microbatches(torch.arange(n), batch.prompt_mask.sum(-1).cpu(), comp_mask.sum(-1),
                                           budget))
             rows.append([budget or "off (one pass)", n, n * (P + T), micro, f"{mb:.0f}", f"{sec:.2f}"])
@@ -298,7 +298,7 @@ def bench_phases(args, device, model, tok, ds, reward_fn, cfg):
     (weights a token passes through) x tokens for a forward, 6x for forward + backward, the head's V x H counted
     where it runs; real (unpadded) tokens; at the float32 matmul rate measured here. The optimiser (memory-bound)
     and the reward have no FLOP floor. Then the regression's candidates, each measured against the code as it is."""
-    via_head = dppo.check_scoring(model)
+    through_head = dppo.check_scoring(model)
     opt = torch.optim.AdamW(model.parameters(), lr=0.0, fused=device.type in ("cpu", "cuda"))  # lr 0: fixed work
     rows = ds["train"][list(range(cfg.prompts_per_step))]
     batch = dppo.collect_rollout(model, tok, rows, reward_fn, cfg, generator=torch.Generator(device).manual_seed(0))
@@ -328,7 +328,7 @@ def bench_phases(args, device, model, tok, ds, reward_fn, cfg):
     def score():
         dppo.scoring_mode(model)
         for i in minibatches:
-            dppo.score_rows(model, batch, i, cfg, via_head)
+            dppo.score_rows(model, batch, i, cfg, through_head)
 
     def forward_backward(**kw):  # the update's forward, loss and backward without the optimiser, policy_logprobs' kw
         dppo.scoring_mode(model)
@@ -352,14 +352,14 @@ def bench_phases(args, device, model, tok, ds, reward_fn, cfg):
     fns = {"prefill": lambda: prefill(slice(None)), "sample": sample, "reward": lambda: reward_fn(
                list(prompts), list(completions), **extra), "score": score,
            "update": lambda: dppo.update_policy(model, opt, batch, cfg, torch.Generator().manual_seed(0),
-                                                via_head=via_head),
+                                                through_head=through_head),
            "optimiser": optimiser, "prefill distinct": lambda: prefill(distinct),
            "draw: torch.multinomial": lambda: [torch.multinomial(probs, 1, generator=g) for _ in range(T - 1)],
            "draw: inverse CDF": lambda: [dppo._draw(probs, g) for _ in range(T - 1)],
-           "fb: one head pass": lambda: forward_backward(via_head=True),
+           "fb: one head pass": lambda: forward_backward(through_head=True),
            "fb: head in 2 checkpointed chunks": lambda: forward_backward(
-               via_head=True, chunk_bytes=(B // cfg.num_minibatches + 1) * V * 4 * ((T + 1) // 2)),
-           "fb: own logits": lambda: forward_backward(via_head=False)}
+               through_head=True, chunk_bytes=(B // cfg.num_minibatches + 1) * V * 4 * ((T + 1) // 2)),
+           "fb: own logits": lambda: forward_backward(through_head=False)}
     res = measure(fns, device, args.phase_repeats)
     rate = matmul_rate(model.config, device, args.repeats)
     sec = {k: v[0] for k, v in res.items()}
@@ -386,7 +386,7 @@ def bench_phases(args, device, model, tok, ds, reward_fn, cfg):
                                                                               ("prefill", "decode", "update")))]
     table(f"Phases of one rollout of {cfg.prompts_per_step} x {G} and its {cfg.num_minibatches} updates "
           f"({int(c_tok)} completion tokens, mean {c_tok / B:.1f}; prompts {p_tok / B:.1f} tokens; "
-          f"{'head on the decoder' if via_head else 'its own logits'}), median of {args.phase_repeats} after 1 "
+          f"{'head on the decoder' if through_head else 'its own logits'}), median of {args.phase_repeats} after 1 "
           f"warm-up; float32 matmul rate {rate / 1e9:.0f} GFLOP/s",
           ["phase", "s / rollout", "s / 1,000 completion tokens", "share", "x FLOP floor", "note"], rows)
     table("The regression's candidates, each against the code as it is (same rollout, same run)",

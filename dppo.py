@@ -132,10 +132,10 @@ def _check_values(finite=None, **logprobs) -> None:
     """Every tensor finite; those named as keywords also log-probs: <= 0 up to float32 rounding at their scale (64
     ulps of 1 + |min|), so that logits or probabilities passed as log-probs are refused, not clamped to 0. All the
     tensors' ranges are read in one host sync."""
-    named = {k: t for k, t in {**(finite or {}), **logprobs}.items() if t is not None and t.numel()}
+    named = {k: x for k, x in {**(finite or {}), **logprobs}.items() if x is not None and x.numel()}
     if not named:
         return
-    ranges = [torch.stack(torch.aminmax(t.detach())).float() for t in named.values()]  # (2,) each: min, max
+    ranges = [torch.stack(torch.aminmax(x.detach())).float() for x in named.values()]  # (2,) each: min, max
     for name, (lo, hi) in zip(named, torch.stack(ranges).tolist()):                   # the one host sync
         if not (math.isfinite(lo) and math.isfinite(hi)):
             raise ValueError(f"{name} contains NaN or inf; it must be finite (drop or repair the sequence)")
@@ -144,9 +144,9 @@ def _check_values(finite=None, **logprobs) -> None:
                              "probabilities passed? (log-probs: torch.log_softmax(logits / T, dim=-1))")
 
 
-def _check_shape(name: str, t: torch.Tensor, shape: tuple) -> None:
-    if tuple(t.shape) != tuple(shape):
-        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
+def _check_shape(name: str, x: torch.Tensor, shape: tuple) -> None:
+    if tuple(x.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(x.shape)}")
 
 
 def _log1mexp(logp: torch.Tensor) -> torch.Tensor:
@@ -155,7 +155,7 @@ def _log1mexp(logp: torch.Tensor) -> torch.Tensor:
 
 
 def _logp32(logp: torch.Tensor) -> torch.Tensor:
-    """float32 log-probs floored so that products and differences of probabilities never overflow."""
+    """float32 log-probs, floored so that no product or difference of probabilities overflows."""
     return logp.float().clamp(LOGP_FLOOR, 0.0)
 
 
@@ -191,7 +191,7 @@ def binary_tv(logp: torch.Tensor, logp_mu: torch.Tensor, *, check: bool = True) 
 
 
 def binary_kl(logp: torch.Tensor, logp_mu: torch.Tensor, *, check: bool = True) -> torch.Tensor:
-    """Binary KL (Eq. 14): D = mu log(mu/pi) + (1-mu) log((1-mu)/(1-pi)), mu and pi the sampled token's
+    """Binary KL (Eq. 14): D = mu log(mu/pi) + (1-mu) log((1-mu)/(1-pi)), mu, pi: the sampled token's
     probabilities; the second term in log1p form so that p -> 1 stays finite in float32."""
     if check:
         _check_shape("logp_mu", logp_mu, logp.shape)
@@ -205,7 +205,7 @@ def binary_kl(logp: torch.Tensor, logp_mu: torch.Tensor, *, check: bool = True) 
 
 
 def _topk_buckets(topk_logp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(B, T, K) log-probs on A'_t -> (B, T, K+1) probs and log-probs with the 'other' bucket appended."""
+    """(B, T, K) log-probs on A'_t -> its (B, T, K+1) buckets, 'other' appended, as (probs, log-probs)."""
     lp = _logp32(topk_logp)                                                           # (B, T, K)
     other = (-torch.expm1(lp.logsumexp(-1, keepdim=True).clamp_max(0.0))).clamp_min(1e-12)  # (B, T, 1)
     logs = torch.cat([lp, other.log()], dim=-1)                                       # (B, T, K+1)
@@ -249,7 +249,7 @@ def _per_token(advantages: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()  # the mask is a constant of the loss: it must carry no gradient
 def trust_region_mask(logp, logp_mu, advantages, divergence, delta_low, delta_high) -> torch.Tensor:
-    """M_t of Eq. 12: 0 where the update pushes the sampled token further from mu and D_t exceeds delta,
+    """M_t of Eq. 12: 0 where the update pushes the sampled token further from mu with D_t over delta,
     A>0, pi(a_t)>mu(a_t), D_t>delta_high  or  A<0, pi(a_t)<mu(a_t), D_t>delta_low; 1 otherwise. -> (B, T) float.
     The direction is judged on the sampled token for every divergence. Inputs as the divergences take them."""
     for name, delta in (("delta_low", delta_low), ("delta_high", delta_high)):
@@ -267,7 +267,7 @@ def trust_region_mask(logp, logp_mu, advantages, divergence, delta_low, delta_hi
 # --- Losses: DPPO and the ratio-clip baseline, same aggregation and statistics ----------------------------
 @torch.no_grad()  # diagnostics only
 def _loss_stats(lp, lmu, adv, valid, kept, div) -> dict:
-    """Sums and counts over the valid tokens (B, T each), 0-dim tensors (no host sync) that add up over a batch's parts.
+    """Sums over the valid tokens (B, T each; counts are sums of 0/1): 0-dim tensors (no host sync), added over parts.
     'bindable': A != 0 and the sampled token pushed away from mu, the only tokens a mask can stop (tune delta on it)."""
     pos = valid * (adv > 0)                # tokens with A > 0
     neg = valid * (adv < 0)                # tokens with A < 0
@@ -359,7 +359,7 @@ SHARES = {  # a logged share or mean: (its sum, its count) among the losses' sta
 def summarise_stats(parts: list[dict]) -> dict:
     """A batch's parts' statistics (sums, counts, maxima: 0-dim tensors on one device) added up, as floats in one host
     sync: each share of SHARES divided once (0 when nothing is counted); counts and maxima kept, divided sums not."""
-    table = torch.stack([torch.stack([p[k].detach().float() for p in parts]) for k in parts[0]])  # (keys, parts)
+    table = torch.stack([torch.stack([part[k].detach().float() for part in parts]) for k in parts[0]])  # (keys, parts)
     table = table.cpu().double()  # one host sync; added up in float64 on the host (MPS has no float64)
     totals = {k: float(x.amax() if k.endswith("_max") else x.sum()) for k, x in zip(parts[0], table)}
     shares = {name: totals[s] / max(totals[n], 1.0) for name, (s, n) in SHARES.items() if s in totals}
@@ -414,15 +414,15 @@ def sample_with_topk(model, prompt_ids, prompt_mask, *, max_new_tokens, temperat
         logp_full = torch.log_softmax(logits / temperature, dim=-1)                     # (B, V), this step only
         non_finite |= ~torch.isfinite(logp_full.amax(-1)).all()                            # (no host sync)
         probs = logp_full.exp()                                                         # (B, V)
-        tok = logp_full.argmax(-1) if greedy else _draw(probs, generator)               # (B,)
-        tok = torch.where(finished, torch.full_like(tok, pad_token_id), tok)
-        lp_tok = logp_full.gather(-1, tok[:, None]).squeeze(-1)                         # (B,)
-        ids[:, t] = tok
-        logp_mu[:, t] = lp_tok
+        a_t = logp_full.argmax(-1) if greedy else _draw(probs, generator)               # (B,)
+        a_t = torch.where(finished, torch.full_like(a_t, pad_token_id), a_t)
+        logp_a_t = logp_full.gather(-1, a_t[:, None]).squeeze(-1)                       # (B,)
+        ids[:, t] = a_t
+        logp_mu[:, t] = logp_a_t
         entropy[:, t] = torch.special.entr(probs).sum(-1)                              # (B,) 0 log 0 = 0
         if topk > 0:
-            topk_ids[:, t], topk_logp_mu[:, t] = _capture_topk(logp_full, tok, lp_tok, topk)  # (B, K) each
-        finished |= torch.isin(tok, eos)
+            topk_ids[:, t], topk_logp_mu[:, t] = _capture_topk(logp_full, a_t, logp_a_t, topk)  # (B, K) each
+        finished |= torch.isin(a_t, eos)
         if t == max_new_tokens - 1 or bool(finished.all() | non_finite):  # the step's one host sync
             break  # (no forward for a token that will not be sampled)
     model.train(was_training)
@@ -446,7 +446,7 @@ def _draw(probs, generator):
 
 
 class CachedDecoding:
-    """The sampler's forwards through the model's own forward and KV cache: the prompts once (prefill), then the last
+    """The sampler's forwards, by the model's own forward with its KV cache: the prompts once (prefill), then the last
     sampled token against the cache the previous call returned, its inputs built by the model's own
     prepare_inputs_for_generation (as its generate() does: Mamba drops the mask there). A model that returns no
     cache (RecurrentGemma keeps its state inside) reruns the whole prefix."""
@@ -473,18 +473,18 @@ class CachedDecoding:
         return self.out.logits[:, -1].float()                                             # (B, V)
 
 
-def _capture_topk(logp_full, tok, lp_tok, k):
-    """mu's K most likely ids and log-probs at one step, the sampled token overwriting the K-th slot when it is not
+def _capture_topk(logp_full, a_t, logp_a_t, topk):
+    """mu's top K at one step (ids, log-probs), the sampled token overwriting the K-th slot when it is not
     among them (the reference codes' convention: exactly K slots, TopK(mu) + {a_t}). (B, V), (B,), (B,) -> (B, K) x 2"""
-    vals, ids = logp_full.topk(k, dim=-1)                  # (B, K) by rank
-    missing = ~(ids == tok[:, None]).any(-1)               # (B,) a_t outside mu's top-K
-    ids[:, -1] = torch.where(missing, tok, ids[:, -1])
-    vals[:, -1] = torch.where(missing, lp_tok, vals[:, -1])
+    vals, ids = logp_full.topk(topk, dim=-1)               # (B, K) by rank
+    missing = ~(ids == a_t[:, None]).any(-1)               # (B,) a_t outside mu's top K
+    ids[:, -1] = torch.where(missing, a_t, ids[:, -1])
+    vals[:, -1] = torch.where(missing, logp_a_t, vals[:, -1])
     return ids, vals
 
 
 def completion_mask_from_ids(ids: torch.Tensor, eos_token_id) -> torch.Tensor:
-    """1 up to and including the first EOS (one id or a list), 0 after; never `ids != pad` (pad is often EOS)."""
+    """1 through the first EOS (one id or a list) inclusive, 0 after; never `ids != pad` (pad is often EOS)."""
     is_eos = torch.isin(ids, torch.as_tensor(eos_token_id, device=ids.device)).long()  # (B, T)
     eos_before = is_eos.cumsum(-1) - is_eos                   # (B, T) EOS strictly before t
     return (eos_before == 0).float()                          # (B, T)
@@ -492,7 +492,7 @@ def completion_mask_from_ids(ids: torch.Tensor, eos_token_id) -> torch.Tensor:
 
 # --- Scoring: log pi at the sampled tokens (and mu's top-K ids), the head in float32 ---------------------
 def trainer_precision(device, dtype: str):
-    """The precision pi is scored and mu sampled in: bf16 autocast over float32 weights, or float32 (autocast off)."""
+    """The one precision of scoring pi, used to sample mu too: bf16 autocast over float32 weights, or float32."""
     return torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=dtype == "bfloat16")
 
 
@@ -531,10 +531,10 @@ def _head_logprobs(head, h, targets, temperature):
 
 
 def policy_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, *, temperature=1.0,
-                    topk_ids=None, via_head=False, chunk_bytes=2 ** 28):
-    """The trainer's log pi at the tokens mu sampled, tempered and positioned as sampled.
+                    topk_ids=None, through_head=False, chunk_bytes=2 ** 28):
+    """The trainer's log pi at the tokens mu sampled, tempered as sampled, at the positions they were sampled at.
     -> log pi(a_t) (B, T) with gradient; log pi on mu's top-K ids (B, T, K) without (None when topk_ids is None).
-    via_head picks the path, as check_scoring decided for this model: False, its own logits (exact for any model);
+    through_head picks the path, as check_scoring decided for this model: False, its own logits (exact for any model);
     True, its decoder's hidden states through its head in chunks of at most chunk_bytes of logits."""
     if prompt_ids.dim() != 2 or completion_ids.dim() != 2 or completion_ids.shape[0] != prompt_ids.shape[0]:
         raise ValueError(f"prompt_ids and completion_ids must be (B, P) and (B, T), got shapes "
@@ -551,7 +551,7 @@ def policy_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_m
     targets = completion_ids[..., None]                                        # (B, T, 1)
     if topk_ids is not None:
         targets = torch.cat([targets, topk_ids], dim=-1)                       # (B, T, 1 + K)
-    if via_head:
+    if through_head:
         out = _logprobs_through_head(model, inputs, P, targets, temperature, chunk_bytes)  # (B, T, 1 [+ K])
     else:
         out = _logprobs_from_logits(model, inputs, P, targets, temperature)               # (B, T, 1 [+ K])
@@ -593,8 +593,8 @@ class Batch:  # one rollout batch, with everything the M updates need
 
 
 def encode_prompts(tok, prompts: list, device, template_text: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """Prompts (text or chat messages) as left-padded (B, P) ids and mask. The tokenizer's chat template applies to
-    chat messages, and to text unless template_text is False (TRL templates chat messages only)."""
+    """Prompts (text or chat messages) as left-padded (B, P) ids, with their mask. The chat template applies to chat
+    messages, to text too unless template_text is False (TRL templates chat messages only)."""
     if getattr(tok, "chat_template", None) and (template_text or isinstance(prompts[0], list)):
         chats = [p if isinstance(p, list) else [{"role": "user", "content": p}] for p in prompts]
         enc = tok.apply_chat_template(chats, add_generation_prompt=True, padding=True, return_dict=True,
@@ -605,7 +605,7 @@ def encode_prompts(tok, prompts: list, device, template_text: bool = True) -> tu
 
 
 def eos_token_ids(tok, model) -> list[int]:
-    """Every id that ends a completion: the tokenizer's EOS and the generation config's (chat models end turns so)."""
+    """Every id that ends a completion: the tokenizer's EOS, plus the generation config's (chat models end turns so)."""
     gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     return sorted({tok.eos_token_id, *(gen_eos if isinstance(gen_eos, (list, tuple)) else [gen_eos])} - {None})
 
@@ -616,7 +616,7 @@ def captured_topk(cfg: Config) -> int:
 
 
 def complete(model, tok, prompts, cfg: Config, sampler, generator=None, greedy=False):
-    """Prompts completed by `sampler` (sample_with_topk's signature) -> (B, P) ids and mask, Rollout, the completions
+    """Prompts completed by `sampler` (sample_with_topk's signature) -> (B, P) ids, their mask, Rollout, the completions
     as texts and as lists of token ids (up to and including EOS; what TRL hands a reward as completion_ids)."""
     prompt_ids, prompt_mask = encode_prompts(tok, prompts, model.device, cfg.template_text)  # (B, P) each
     with trainer_precision(model.device, cfg.dtype):  # mu sampled in the precision pi is scored in
@@ -669,9 +669,9 @@ def microbatches(row_ids: torch.Tensor, prompt_len: torch.Tensor, completion_len
     return groups
 
 
-def score_rows(model, batch: Batch, row_ids, cfg: Config, via_head=False):
-    """log pi of the rows row_ids, trimmed to their longest prompt and completion T': policy_logprobs' (b, T') and
-    (b, T', K) or None."""
+def score_rows(model, batch: Batch, row_ids, cfg: Config, through_head=False):
+    """log pi of the rows row_ids, trimmed to their longest prompt, their longest completion T': policy_logprobs'
+    (b, T') and (b, T', K) or None."""
     ro, prompt_mask = batch.rollout, batch.prompt_mask[row_ids]                          # (b, P)
     longest = torch.stack([prompt_mask.sum(-1).max(), ro.completion_mask[row_ids].sum(-1).max()])
     prompt_len, T = (int(x) for x in longest.tolist())  # the rows' longest prompt and completion: one host sync
@@ -680,14 +680,14 @@ def score_rows(model, batch: Batch, row_ids, cfg: Config, via_head=False):
     with trainer_precision(batch.advantages.device, cfg.dtype):
         logp, topk_logp = policy_logprobs(model, batch.prompt_ids[row_ids, P:], prompt_mask[:, P:],
                                           ro.completion_ids[row_ids, :T], ro.completion_mask[row_ids, :T],
-                                          temperature=cfg.temperature, topk_ids=topk_ids, via_head=via_head)
+                                          temperature=cfg.temperature, topk_ids=topk_ids, through_head=through_head)
     if not bool(torch.isfinite(logp.detach()).all()):  # the weights blew up in an earlier update
         raise FloatingPointError("the policy's log-probs are NaN or inf")
     return logp, topk_logp
 
 
 def rows_loss(cfg: Config, ro: Rollout, adv, row_ids, logp, topk_logp):
-    """(loss, statistics) of the rows row_ids, w and D measured from mu's log-probs as captured at sampling."""
+    """(loss, statistics) of the rows row_ids, w, D both measured from mu's log-probs as captured at sampling."""
     T = logp.shape[1]
     logp_mu, mask = ro.logp_mu[row_ids, :T], ro.completion_mask[row_ids, :T]  # (b, T') each, as captured
     if cfg.loss == "ratio_clip":
@@ -698,10 +698,10 @@ def rows_loss(cfg: Config, ro: Rollout, adv, row_ids, logp, topk_logp):
                      topk_logp=topk_logp, topk_logp_mu=topk_logp_mu, ratio_cap=cfg.ratio_cap)
 
 
-def update_policy(model, opt, batch: Batch, cfg: Config, gen, loss_fn=rows_loss, via_head=False) -> dict:
+def update_policy(model, opt, batch: Batch, cfg: Config, gen, loss_fn=rows_loss, through_head=False) -> dict:
     """Exactly M = cfg.num_minibatches optimiser steps on shuffled mini-batches of rows (sizes differ by at most one),
     all against the same mu, each the token mean over its mini-batch however split; a non-finite gradient norm skips
-    its step and the rest. loss_fn: rows_loss's signature; via_head: policy_logprobs'. -> the batch's statistics."""
+    its step and the rest. loss_fn: rows_loss's signature; through_head: policy_logprobs'. -> the batch's statistics."""
     ro, adv = batch.rollout, batch.advantages
     if not 1 <= cfg.num_minibatches <= len(adv):
         raise ValueError(f"num_minibatches must be in [1, {len(adv)}] (the rollout's rows), got {cfg.num_minibatches}")
@@ -712,7 +712,7 @@ def update_policy(model, opt, batch: Batch, cfg: Config, gen, loss_fn=rows_loss,
         n = ro.completion_mask[mini_ids].sum().clamp_min(1)                    # the mini-batch's tokens
         opt.zero_grad(set_to_none=True)
         for micro_ids in microbatches(mini_ids, p_len, c_len, cfg.max_tokens_per_microbatch):
-            logp, topk_logp = score_rows(model, batch, micro_ids, cfg, via_head)  # (b, T'), (b, T', K) or None
+            logp, topk_logp = score_rows(model, batch, micro_ids, cfg, through_head)  # (b, T'), (b, T', K) or None
             loss, stats = loss_fn(cfg, ro, adv, micro_ids, logp, topk_logp)
             (loss * (stats["tokens"] / n)).backward()  # sum over micro-batches = the mini-batch's token mean
             parts.append({**stats, "loss": loss.detach() * stats["tokens"]})
@@ -732,7 +732,7 @@ def update_policy(model, opt, batch: Batch, cfg: Config, gen, loss_fn=rows_loss,
 # --- The training loop ------------------------------------------------------------------------------------
 def train(cfg: Config, given: Optional[set] = None, sampler=None, loss_fn=rows_loss, dataset=None,
           reward_fn=None) -> dict:
-    """DPPO (or the baseline) end to end -> held-out accuracy (mean reward) at the start and the end; bad input is
+    """DPPO (or the baseline) end to end -> held-out accuracy (mean reward) at the start, at the end; bad input is
     refused before any work (ConfigError). sampler: sample_with_topk's signature, handed the policy each step
     (default: the policy, or a vLLM engine); loss_fn: update_policy's; dataset and reward_fn: --task and --reward as
     Python objects (a datasets.Dataset(Dict), TRL's reward signature); given: the flags typed on the command line."""
@@ -745,7 +745,7 @@ def train(cfg: Config, given: Optional[set] = None, sampler=None, loss_fn=rows_l
             t0 = time.time()
             batch = collect_rollout(run.model, run.tok, examples, run.reward_fn, cfg, run.sampler, run.sample_gen)
             metrics = {"step": step, "reward": float(batch.rewards.mean()), "sample_seconds": time.time() - t0}
-            metrics.update(update_policy(run.model, run.opt, batch, cfg, run.gen, loss_fn, run.via_head))
+            metrics.update(update_policy(run.model, run.opt, batch, cfg, run.gen, loss_fn, run.through_head))
             check_finite(run, metrics)  # (harness) a NaN or inf loss, gradient or weight stops the run in one line
             greedy = []
             if step % cfg.eval_every == 0 or step == cfg.steps:  # (harness) held-out greedy accuracy, samples
@@ -1096,7 +1096,7 @@ SCORING_GAP = {"float32": 1e-3, "bfloat16": 32 * torch.finfo(torch.bfloat16).eps
 @torch.no_grad()
 def check_scoring(model, name: str = "the model", temperature: float = 1.0, dtype: str = "float32",
                   sampler=None) -> bool:
-    """The load-time check of the model in hand, on a few tokens -> via_head for policy_logprobs.
+    """The load-time check of the model in hand, on a few tokens -> through_head for policy_logprobs.
     Three checks in turn: the model is causal; how its logits are made; what it samples, it scores.
     A failure is a ConfigError, one line naming the model class."""
     was_training = model.training
@@ -1105,11 +1105,11 @@ def check_scoring(model, name: str = "the model", temperature: float = 1.0, dtyp
     try:
         with trainer_precision(model.device, "bfloat16" if bf16_weights else "float32"):
             logits = check_causal(model, name)
-            via_head = logits_are_head_on_decoder(model, logits)
-        check_sampled_as_scored(model, name, temperature, dtype, sampler, via_head, bf16_weights)
+            through_head = logits_are_head_on_decoder(model, logits)
+        check_sampled_as_scored(model, name, temperature, dtype, sampler, through_head, bf16_weights)
     finally:
         model.train(was_training)
-    return via_head
+    return through_head
 
 
 def _check_prompts(model) -> torch.Tensor:
@@ -1132,7 +1132,7 @@ def check_causal(model, name: str) -> torch.Tensor:
 
 
 def logits_are_head_on_decoder(model, logits: torch.Tensor) -> bool:
-    """via_head: whether the model's logits (on _check_prompts) are its head applied to its decoder's last hidden
+    """through_head: whether the model's logits (on _check_prompts) are its head applied to its decoder's last hidden
     state. False: a cap or scale after the head, or no decoder to be found; it is then scored from its own logits."""
     try:
         hidden = model.get_decoder()(input_ids=_check_prompts(model), use_cache=False).last_hidden_state  # (2, 6, H)
@@ -1142,7 +1142,7 @@ def logits_are_head_on_decoder(model, logits: torch.Tensor) -> bool:
     return gap <= 1e-5 * (1.0 + float(logits.abs().max()))
 
 
-def check_sampled_as_scored(model, name: str, temperature: float, dtype: str, sampler, via_head: bool,
+def check_sampled_as_scored(model, name: str, temperature: float, dtype: str, sampler, through_head: bool,
                             bf16_weights: bool) -> None:
     """Tokens `sampler` (default sample_with_topk) samples from left-padded, repeated prompts score the same under
     policy_logprobs in the trainer's mode (scoring_mode) and precision, within SCORING_GAP: in float32 first (a defect
@@ -1157,7 +1157,7 @@ def check_sampled_as_scored(model, name: str, temperature: float, dtype: str, sa
                                                generator=torch.Generator(model.device).manual_seed(0))
             scoring_mode(model)  # the trainer's mode
             logp, _ = policy_logprobs(model, prompts, mask, ro.completion_ids, ro.completion_mask,
-                                      temperature=temperature, via_head=via_head)
+                                      temperature=temperature, through_head=through_head)
         gap = float((logp - ro.logp_mu).abs().max())
         allowed = SCORING_GAP["bfloat16 weights" if bf16_weights else precision]
         if not gap <= allowed:
@@ -1223,13 +1223,13 @@ class GraphedDecoding:
         return self.step(sampled[:, -1:], self.attn, self.prompt_len + t - 1, slot).clone()  # (B, V)
 
 
-def choose_decoding(model, cfg: Config, via_head: bool, name: str, compile: bool = True) -> tuple:
+def choose_decoding(model, cfg: Config, through_head: bool, name: str, compile: bool = True) -> tuple:
     """The sampler's decode steps on CUDA -> (GraphedDecoding, or None for the plain steps; why, for the start line).
     Graphed when the completions repay a compile, the model is scored through its head, and the static-cache steps
     sample what the trainer scores (check_scoring on that path, in the run's precision)."""
     if cfg.max_new_tokens < GRAPH_MIN_TOKENS:
         return None, f"plain decode steps (completions under {GRAPH_MIN_TOKENS} tokens do not repay a compile)"
-    if not via_head:
+    if not through_head:
         return None, "plain decode steps (its logits are not its head on its decoder)"
     graphed = GraphedDecoding(model, compile)
     try:
@@ -1628,7 +1628,7 @@ class Run:
     sample_gen: torch.Generator  # sampling
     sampler: object              # rollouts: sample_with_topk's signature, handed the policy
     eval_sampler: object         # greedy evaluation: sample_with_topk, or the vLLM engine
-    via_head: bool               # scoring through the head in chunks (check_scoring), or from the model's logits
+    through_head: bool               # scoring through the head in chunks (check_scoring), or from the model's logits
     acc0: float = math.nan       # held-out accuracy at the start, and the latest
     acc: float = math.nan
     step: int = 0                # the last step begun (at the start: the checkpoint's, or 0)
@@ -1751,11 +1751,11 @@ def start_run(cfg: Config, given: Optional[set], sampler=None, dataset=None, rew
     if cfg.gradient_checkpointing:  # non-reentrant: the weights get their gradients whatever the inputs
         model.gradient_checkpointing_enable({"use_reentrant": False})
     name = f"--model {cfg.model}" if cfg.model else "the embedded model"
-    via_head = check_scoring(model, name, cfg.temperature, cfg.dtype)  # sampled = scored, in the run's precision
+    through_head = check_scoring(model, name, cfg.temperature, cfg.dtype)  # sampled = scored, in the run's precision
     decoding, decode_note = None, None  # sample_with_topk's own steps (a CPU or MPS device, or the engine, samples)
     if device.type == "cuda" and not cfg.use_vllm:
-        decoding, decode_note = choose_decoding(model, cfg, via_head, name)
-    if not via_head and cfg.max_tokens_per_microbatch is None:  # its own (B, T, V) logits: bound them by default
+        decoding, decode_note = choose_decoding(model, cfg, through_head, name)
+    if not through_head and cfg.max_tokens_per_microbatch is None:  # its own (B, T, V) logits: bound them by default
         V = model.get_output_embeddings().weight.shape[0]
         cfg = dataclasses.replace(cfg, max_tokens_per_microbatch=max(1, OWN_LOGITS_BYTES // (3 * 4 * V)))
         print(f"{type(model).__name__} is scored from its own logits (not its head on its decoder's states): "
@@ -1774,7 +1774,7 @@ def start_run(cfg: Config, given: Optional[set], sampler=None, dataset=None, rew
                                    max_model_len=cfg.vllm_max_len, gpu_memory_utilization=cfg.vllm_gpu_memory,
                                    sleep=device.type == "cuda")
     sampler = sampler or eval_sampler
-    run = Run(cfg, model, tok, opt, ds, reward_fn, gen, sample_gen, sampler, eval_sampler, via_head)
+    run = Run(cfg, model, tok, opt, ds, reward_fn, gen, sample_gen, sampler, eval_sampler, through_head)
     print(f"{cfg.model or 'embedded model'}: lr {cfg.lr:g}{' (its default; --lr to change)' if default_lr else ''}, "
           f"{held_in(model, cfg)}, {cfg.dtype} trainer, "
           f"{f'vLLM {cfg.vllm_dtype}' if cfg.use_vllm else 'the policy as'} sampler, "

@@ -507,7 +507,7 @@ def test_sampler_capture_equals_training_forward(kind, temperature):
     ro = dppo.sample_with_topk(model, ids, mask, max_new_tokens=12, temperature=temperature, topk=6,
                                eos_token_id=1, pad_token_id=0, generator=torch.Generator().manual_seed(0))
     logp, tk = dppo.policy_logprobs(model, ids, mask, ro.completion_ids, ro.completion_mask,
-                                    temperature=temperature, topk_ids=ro.topk_ids, via_head=True)
+                                    temperature=temperature, topk_ids=ro.topk_ids, through_head=True)
     valid = ro.completion_mask.bool()
     assert ro.logp_mu.dtype == torch.float32 and ro.topk_logp_mu.dtype == torch.float32
     assert (logp - ro.logp_mu)[valid].abs().max() <= f32_tol(ro.logp_mu[valid])
@@ -522,7 +522,7 @@ def test_training_forward_gradient_matches_autograd_log_softmax():
     comp = torch.randint(3, 40, (3, 7), generator=torch.Generator().manual_seed(0))
     comp_mask = torch.ones(3, 7)
     w = torch.randn(3, 7, generator=torch.Generator().manual_seed(1))  # arbitrary upstream gradient
-    logp, _ = dppo.policy_logprobs(model, ids, mask, comp, comp_mask, temperature=0.7, via_head=True)
+    logp, _ = dppo.policy_logprobs(model, ids, mask, comp, comp_mask, temperature=0.7, through_head=True)
     grads = torch.autograd.grad((logp * w).sum(), list(model.parameters()))
     full = torch.cat([ids, comp], 1)
     attn = torch.cat([mask, comp_mask.long()], 1)
@@ -541,8 +541,8 @@ def test_sampler_capture_matches_chunked_forward():
     ro = dppo.sample_with_topk(model, ids, mask, max_new_tokens=9, topk=3, eos_token_id=1, pad_token_id=0,
                                generator=torch.Generator().manual_seed(1))
     args = (model, ids, mask, ro.completion_ids, ro.completion_mask)
-    a, ta = dppo.policy_logprobs(*args, topk_ids=ro.topk_ids, via_head=True)
-    b, tb = dppo.policy_logprobs(*args, topk_ids=ro.topk_ids, chunk_bytes=1, via_head=True)  # a time step a chunk
+    a, ta = dppo.policy_logprobs(*args, topk_ids=ro.topk_ids, through_head=True)
+    b, tb = dppo.policy_logprobs(*args, topk_ids=ro.topk_ids, chunk_bytes=1, through_head=True)  # a time step a chunk
     ga = torch.autograd.grad(a.sum(), list(model.parameters()))
     gb = torch.autograd.grad(b.sum(), list(model.parameters()))
     # the same model forward; only the log-softmax is cut into chunks, row by row: equal to a few ulps
@@ -843,7 +843,7 @@ def test_bf16_autocast_scores_with_a_float32_head():
     ids, mask = left_padded_prompts(V, [3, 5, 4])
     comp = torch.randint(3, V, (3, 7), generator=torch.Generator().manual_seed(0))
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        logp, _ = dppo.policy_logprobs(model, ids, mask, comp, torch.ones(3, 7), temperature=0.7, via_head=True)
+        logp, _ = dppo.policy_logprobs(model, ids, mask, comp, torch.ones(3, 7), temperature=0.7, through_head=True)
         attn = torch.cat([mask, torch.ones(3, 7, dtype=torch.long)], 1)
         h = model.get_decoder()(input_ids=torch.cat([ids, comp], 1), attention_mask=attn,
                                 position_ids=(attn.cumsum(-1) - 1).clamp_min(0)).last_hidden_state[:, 4:-1]
@@ -2202,12 +2202,12 @@ def test_training_forward_makes_no_full_vocab_tensor(dtype):
     counter = FullVocabTensors(3 * 16 * V)
     with counter, torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
         logp, _ = dppo.policy_logprobs(model, ids, mask, comp, torch.ones(3, 16), topk_ids=topk_ids,
-                                       chunk_bytes=3 * 4 * V * 4, via_head=True)  # 4 time steps per float32 chunk
+                                       chunk_bytes=3 * 4 * V * 4, through_head=True)  # 4 time steps per float32 chunk
         logp.sum().backward()
     assert counter.seen == []
     with FullVocabTensors(3 * 4 * V) as chunks:
         logp, _ = dppo.policy_logprobs(model, ids, mask, comp, torch.ones(3, 16), chunk_bytes=3 * 4 * V * 4,
-                                       via_head=True)
+                                       through_head=True)
         logp.sum().backward()
     assert len(chunks.seen) >= 4  # a (B, 4, V) float32 chunk per 4 time steps: the counter does see them
 
@@ -2747,6 +2747,27 @@ def _same(a, b):
     return a == b
 
 
+def test_the_algorithm_above_the_banner_stands_alone():
+    """Nothing above dppo.py's HARNESS banner names a top-level definition made below it but train(), which calls the
+    harness once per concern (start, guard, check, evaluate, log, save, finish); and each function or class above
+    it that has a docstring says its job in the first line without an 'and'."""
+    import ast
+    text = open(os.path.join(ROOT, "dppo.py")).read()
+    banner = next(i for i, line in enumerate(text.splitlines(), 1) if line.startswith("# HARNESS"))
+    tree = ast.parse(text)
+    below = {n.name for n in tree.body if n.lineno > banner and isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+    below |= {t.id for n in tree.body if n.lineno > banner and isinstance(n, ast.Assign) for t in n.targets
+              if isinstance(t, ast.Name)}
+    above = [n for n in tree.body if n.lineno < banner]
+    names = {getattr(n, "name", None): {x.id for x in ast.walk(n) if isinstance(x, ast.Name)} for n in above}
+    assert len(below) > 40 and set().union(*(v for k, v in names.items() if k != "train")) & below == set()
+    assert names["train"] & below == {"start_run", "guarded_steps", "check_finite", "evaluate", "log_step",
+                                      "save_checkpoint", "finish_run"}
+    firsts = {x.name: ast.get_docstring(x).splitlines()[0] for n in above for x in ast.walk(n)
+              if isinstance(x, (ast.FunctionDef, ast.ClassDef)) and ast.get_docstring(x)}
+    assert len(firsts) > 30 and [name for name, line in firsts.items() if " and " in line] == []
+
+
 @pytest.mark.parametrize("unit", _readme_copy_units(), ids=lambda u: "+".join(u[0]))
 def test_readme_copy_unit_runs_alone_and_matches_the_module(unit):
     """Each unit of the README's copy table, cut out of dppo.py's text and run in a fresh namespace with only the
@@ -3270,13 +3291,13 @@ def test_zoo_capture_at_sampling_equals_scoring(name):
     full mask, Mixtral scored with its router jitter on, a Llama that scales its logits in forward() through its bare
     head.)"""
     model = zoo_model(name)
-    via_head = dppo.check_scoring(model, name, temperature=0.7)
+    through_head = dppo.check_scoring(model, name, temperature=0.7)
     ids, mask, ro = zoo_rollout(model)
     valid = ro.completion_mask.bool()
     assert valid.sum() >= 12
     dppo.scoring_mode(model)
     logp, topk_logp = dppo.policy_logprobs(model, ids, mask, ro.completion_ids, ro.completion_mask, temperature=0.7,
-                                           topk_ids=ro.topk_ids, via_head=via_head)
+                                           topk_ids=ro.topk_ids, through_head=through_head)
     assert (logp - ro.logp_mu)[valid].abs().max() <= f32_tol(ro.logp_mu[valid])
     assert (topk_logp - ro.topk_logp_mu)[valid].abs().max() <= f32_tol(ro.topk_logp_mu[valid])
     assert float(ro.topk_logp_mu[valid].min()) < -1.0  # mu's top-K holds tokens far from certain
@@ -3284,9 +3305,9 @@ def test_zoo_capture_at_sampling_equals_scoring(name):
         ref = own_logprobs(model.eval(), ids, mask, ro)  # the model's own forward in eval mode, softmax in float64
     assert (logp.double() - ref)[valid].abs().max() <= f32_tol(ref)
     if name in ("llama_scaled_logits", "gemma2", "falcon_h1", "modernbert_decoder"):
-        assert via_head is False  # a cap or scale after the head, or no decoder: scored from its own logits
+        assert through_head is False  # a cap or scale after the head, or no decoder: scored from its own logits
     elif name in ("llama", "qwen2", "mamba", "mixtral_jitter"):
-        assert via_head is True
+        assert through_head is True
 
 
 def test_the_load_time_check_refuses_a_model_that_scores_otherwise_than_it_samples():
@@ -3345,11 +3366,11 @@ def test_zoo_gradient_equals_float64_autograd(name):
     steps) equals plain autograd through log_softmax(model(...).logits / T) taken in float64, for every parameter,
     to the float32 head's rounding; the soft-capped and scaled families included."""
     model = zoo_model(name)
-    via_head = dppo.check_scoring(model, name, temperature=0.7)
+    through_head = dppo.check_scoring(model, name, temperature=0.7)
     ids, mask, ro = zoo_rollout(model)
     dppo.scoring_mode(model)
     logp, _ = dppo.policy_logprobs(model, ids, mask, ro.completion_ids, ro.completion_mask, temperature=0.7,
-                                   chunk_bytes=3 * 4 * ZOO_V * 4, via_head=via_head)
+                                   chunk_bytes=3 * 4 * ZOO_V * 4, through_head=through_head)
     assert_float64_logprobs_and_gradient(model, ids, mask, ro, logp)
 
 
@@ -3359,11 +3380,11 @@ def test_zoo_gradient_under_bf16_autocast(name):
     model's own forward under the same autocast with its head made float32 (its own cap or scale after it), to the
     rounding of bf16's backward (a few bf16 ulps of the largest gradient)."""
     model = zoo_model(name)
-    via_head = dppo.check_scoring(model, name, temperature=0.7)
+    through_head = dppo.check_scoring(model, name, temperature=0.7)
     ids, mask, ro = zoo_rollout(model)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         logp, _ = dppo.policy_logprobs(model, ids, mask, ro.completion_ids, ro.completion_mask, temperature=0.7,
-                                       via_head=via_head)
+                                       through_head=through_head)
         got = params_grads(zoo_loss(logp, ro)[0], model)
         head = model.get_output_embeddings()
         own_head = head.forward  # (a LoRA-wrapped head's too: base layer plus adapter)
@@ -3399,9 +3420,9 @@ def test_zoo_gradient_checkpointing_scores_with_dropout_off(name):
         opt = torch.optim.SGD(model.parameters(), lr=0.0)  # keep the gradient: a step of size 0
         opt.zero_grad = lambda set_to_none=True: None  # (update_policy frees .grad after the step; keep it here)
         cfg = dppo.Config(num_minibatches=1, group_size=2, delta_low=0.1, delta_high=0.1, temperature=0.7)
-        via_head = dppo.check_scoring(model, name, temperature=0.7)
+        through_head = dppo.check_scoring(model, name, temperature=0.7)
         mismatch[checkpointing] = dppo.update_policy(model, opt, batch, cfg, torch.Generator(),
-                                                     via_head=via_head)["mismatch_dp_max"]
+                                                     through_head=through_head)["mismatch_dp_max"]
         grads[checkpointing] = [p.grad.clone() for p in model.parameters() if p.grad is not None]
     assert mismatch[True] < F32_DP and mismatch[False] < F32_DP, mismatch
     assert len(grads[True]) == len(grads[False]) > 0
@@ -3417,9 +3438,9 @@ def test_mini_batches_partition_the_rows_shuffled(monkeypatch):
     batch = uneven_batch(None, V, B=12)
     seen, score = [], dppo.score_rows
 
-    def spy(model, batch, i, cfg, via_head=False):
+    def spy(model, batch, i, cfg, through_head=False):
         seen.append(sorted(i.tolist()))
-        return score(model, batch, i, cfg, via_head)
+        return score(model, batch, i, cfg, through_head)
     monkeypatch.setattr(dppo, "score_rows", spy)
     orders = []
     for seed in (1, 2):
@@ -3441,9 +3462,9 @@ def test_exactly_M_optimiser_steps_each_its_own_token_mean(monkeypatch, rows, M,
     batch = uneven_batch(None, V, B=rows)
     seen, score = [], dppo.score_rows
 
-    def spy(model, batch, i, cfg, via_head=False):
+    def spy(model, batch, i, cfg, through_head=False):
         seen.append(i.clone())
-        return score(model, batch, i, cfg, via_head)
+        return score(model, batch, i, cfg, through_head)
     monkeypatch.setattr(dppo, "score_rows", spy)
     model = tiny_model("llama", V=V)
     opt = RecordingSGD(model.parameters())
@@ -3580,8 +3601,8 @@ def test_zoo_static_cache_steps_equal_the_plain_steps_or_fall_back(name):
     choose_decoding gives them; the others (state-space caches, linear attention that a static cache does not serve,
     logits that are not the head on the decoder) fall back to the plain steps with the reason in one line."""
     model = zoo_model(name)
-    via_head = dppo.check_scoring(model, name, temperature=0.7)
-    decoding, note = dppo.choose_decoding(model, dppo.Config(max_new_tokens=64, temperature=0.7), via_head, name,
+    through_head = dppo.check_scoring(model, name, temperature=0.7)
+    decoding, note = dppo.choose_decoding(model, dppo.Config(max_new_tokens=64, temperature=0.7), through_head, name,
                                           compile=False)
     if name not in GRAPHED:
         assert decoding is None and note.startswith("plain decode steps (") and "\n" not in note
@@ -3623,13 +3644,13 @@ def test_zoo_bf16_sampled_equals_scored(name):
     """--dtype bfloat16: the load-time check passes in bf16 for every family, and a rollout sampled under the trainer's
     bf16 autocast scores, under it, within SCORING_GAP["bfloat16"] (32 bf16 eps) of what was captured."""
     model = zoo_model(name)
-    via_head = dppo.check_scoring(model, name, temperature=0.7, dtype="bfloat16")
+    through_head = dppo.check_scoring(model, name, temperature=0.7, dtype="bfloat16")
     with dppo.trainer_precision("cpu", "bfloat16"):
         ids, mask, ro = zoo_rollout(model)
         dppo.scoring_mode(model)
         with torch.no_grad():
             logp, _ = dppo.policy_logprobs(model, ids, mask, ro.completion_ids, ro.completion_mask, temperature=0.7,
-                                           via_head=via_head)
+                                           through_head=through_head)
     valid = ro.completion_mask.bool()
     assert (logp - ro.logp_mu)[valid].abs().max() <= dppo.SCORING_GAP["bfloat16"]
 
@@ -3956,7 +3977,7 @@ def test_zoo_lora_capture_at_sampling_equals_scoring(name):
         model = lora_on(plain, targets=sorted(linear - {"out_proj", "lm_head"}))
     assert sum("lora_A" in n for n, _ in model.named_parameters()) >= 2
     try:
-        via_head = dppo.check_scoring(model, name, temperature=0.7)
+        through_head = dppo.check_scoring(model, name, temperature=0.7)
     except dppo.ConfigError as e:
         assert plain_refused and "\n" not in str(e)
         return
@@ -3964,7 +3985,7 @@ def test_zoo_lora_capture_at_sampling_equals_scoring(name):
     valid = ro.completion_mask.bool()
     dppo.scoring_mode(model)
     logp, topk_logp = dppo.policy_logprobs(model, ids, mask, ro.completion_ids, ro.completion_mask, temperature=0.7,
-                                           topk_ids=ro.topk_ids, via_head=via_head)
+                                           topk_ids=ro.topk_ids, through_head=through_head)
     assert (logp - ro.logp_mu)[valid].abs().max() <= f32_tol(ro.logp_mu[valid])
     assert (topk_logp - ro.topk_logp_mu)[valid].abs().max() <= f32_tol(ro.topk_logp_mu[valid])
     with torch.no_grad():
