@@ -1628,7 +1628,7 @@ class Run:
     sample_gen: torch.Generator  # sampling
     sampler: object              # rollouts: sample_with_topk's signature, handed the policy
     eval_sampler: object         # greedy evaluation: sample_with_topk, or the vLLM engine
-    through_head: bool               # scoring through the head in chunks (check_scoring), or from the model's logits
+    through_head: bool           # scoring through the head in chunks (check_scoring), or from the model's logits
     acc0: float = math.nan       # held-out accuracy at the start, and the latest
     acc: float = math.nan
     step: int = 0                # the last step begun (at the start: the checkpoint's, or 0)
