@@ -266,8 +266,9 @@ def trust_region_mask(logp, logp_mu, advantages, divergence, delta_low, delta_hi
 
 # --- Losses: DPPO and the ratio-clip baseline, same aggregation and statistics ----------------------------
 @torch.no_grad()  # diagnostics only
-def _loss_stats(lp, lmu, adv, valid, kept, div) -> dict:
-    """Sums over the valid tokens (B, T each; counts are sums of 0/1): 0-dim tensors (no host sync), added over parts.
+def loss_stats(lp, lmu, adv, valid, kept, div) -> dict:
+    """The statistics train() logs of a loss (a loss_fn of your own returns them too): sums over the valid tokens of
+    (B, T) inputs, kept the mask, div the rule's D; 0-dim tensors (no host sync), counts sums of 0/1, added over parts.
     'bindable': A != 0 and the sampled token pushed away from mu, the only tokens a mask can stop (tune delta on it)."""
     pos = valid * (adv > 0)                # tokens with A > 0
     neg = valid * (adv < 0)                # tokens with A < 0
@@ -326,7 +327,7 @@ def dppo_loss(logp, logp_mu, advantages, completion_mask, *, divergence_type="bi
     with torch.no_grad():  # sg(w): the weight scales the gradient but is not differentiated
         w = (lp - lmu).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp().clamp_max(cap)  # (B, T) r_t, capped at C
     loss = _masked_mean(-adv * w * kept * lp, valid)
-    return loss, _loss_stats(lp.detach(), lmu, adv, valid, kept, div)
+    return loss, loss_stats(lp.detach(), lmu, adv, valid, kept, div)
 
 
 def ratio_clip_loss(logp, logp_mu, advantages, completion_mask, *, eps_low=0.2, eps_high=0.28):
@@ -346,7 +347,7 @@ def ratio_clip_loss(logp, logp_mu, advantages, completion_mask, *, eps_low=0.2, 
     loss = _masked_mean(-torch.minimum(unclipped, clipped), valid)
     with torch.no_grad():
         kept = (clipped >= unclipped).float()  # 0 where the clipped branch wins: no gradient flows there
-    return loss, _loss_stats(lp.detach(), lmu, adv, valid, kept, (ratio.detach() - 1).abs())
+    return loss, loss_stats(lp.detach(), lmu, adv, valid, kept, (ratio.detach() - 1).abs())
 
 
 SHARES = {  # a logged share or mean: (its sum, its count) among the losses' statistics
@@ -421,7 +422,7 @@ def sample_with_topk(model, prompt_ids, prompt_mask, *, max_new_tokens, temperat
         logp_mu[:, t] = logp_a_t
         entropy[:, t] = torch.special.entr(probs).sum(-1)                              # (B,) 0 log 0 = 0
         if topk > 0:
-            topk_ids[:, t], topk_logp_mu[:, t] = _capture_topk(logp_full, a_t, logp_a_t, topk)  # (B, K) each
+            topk_ids[:, t], topk_logp_mu[:, t] = capture_topk(logp_full, a_t, logp_a_t, topk)  # (B, K) each
         finished |= torch.isin(a_t, eos)
         if t == max_new_tokens - 1 or bool(finished.all() | non_finite):  # the step's one host sync
             break  # (no forward for a token that will not be sampled)
@@ -473,7 +474,7 @@ class CachedDecoding:
         return self.out.logits[:, -1].float()                                             # (B, V)
 
 
-def _capture_topk(logp_full, a_t, logp_a_t, topk):
+def capture_topk(logp_full, a_t, logp_a_t, topk):
     """mu's top K at one step (ids, log-probs), the sampled token overwriting the K-th slot when it is not
     among them (the reference codes' convention: exactly K slots, TopK(mu) + {a_t}). (B, V), (B,), (B,) -> (B, K) x 2"""
     vals, ids = logp_full.topk(topk, dim=-1)               # (B, K) by rank

@@ -2,6 +2,7 @@
 vocabulary, autograd, hand-computed values) or a property. Run: HF_HUB_OFFLINE=1 python -m pytest -q"""
 import copy
 import dataclasses
+import functools
 import importlib.util
 import json
 import math
@@ -2029,10 +2030,10 @@ def _numbers(text: str) -> list[tuple]:
 
 def _stated(markdown: str) -> list[tuple]:
     """The numbers a markdown cell states as results: not in math, code, hidden solutions, citations, headings,
-    list markers, or the names of equations, sections, theorems, steps and rows; nor in a sentence citing the
-    paper's own figures."""
+    list markers, link addresses, or the names of equations, sections, theorems, steps and rows; nor in a sentence
+    citing the paper's own figures."""
     t = re.sub(r"\$\$.*?\$\$|\$[^$]*\$|<details>.*?</details>|```.*?```|`[^`]*`", " ", markdown, flags=re.S)
-    t = re.sub(r"arXiv:\S+|ICML \d+|PMLR \d+", " ", t)
+    t = re.sub(r"arXiv:\S+|ICML \d+|PMLR \d+|\]\([^)]*\)", " ", t)  # (and a link's address)
     t = re.sub(r"\b(Eqs?\.|Thm|App\.|[Ss]ections?|[Ee]xercises?|[Ss]teps?|[Rr]ows?|[Mm]ini-batch(es)?|[Aa]ppendix)"
                r"\s+[\dA-Z][\d.]*((\s*[–-]\s*|,\s*)\d[\d.]*)*", " ", t)
     t = re.sub(r"(?m)^#+.*$|^\s*\d+\.\s", " ", t)
@@ -2081,7 +2082,8 @@ def _names(tree):
 def test_walkthrough_notebook_reads_in_short_steps():
     """Every code cell is introduced by prose and at most 30 lines; every markdown cell holds at most one section
     heading and about 250 words at most; the cells are committed executed (outputs present). The main path, before
-    the appendix, holds the loss the learner writes and the live run that trains with it."""
+    the appendix, holds the two states against the exact TV, the single-sample histogram, the skeleton the learner
+    fills in with its check and the breaks, and the live run that trains with the learner's loss."""
     cells = _notebook_cells()
     for i, cell in enumerate(cells):
         if cell.cell_type == "code":
@@ -2091,9 +2093,15 @@ def test_walkthrough_notebook_reads_in_short_steps():
             assert len(cell.source.split()) <= 260, cell.source[:80]
             assert sum(line.startswith("## ") for line in cell.source.splitlines()) <= 1, cell.source[:80]
     appendix = next(i for i, c in enumerate(cells) if c.source.startswith("## Appendix"))
-    main = [c.source for c in cells[:appendix] if c.cell_type == "code"]
-    assert any("def my_dppo_loss(" in s for s in main)
-    assert any("loss_fn=loss_fn" in s and "my_rows_loss" in s and "ratio_clip" in s for s in main)
+    main = [c for c in cells[:appendix] if c.cell_type == "code"]
+    printed = "\n".join(_printed(c) for c in main)
+    assert "state A: exact TV" in printed and "state B: exact TV" in printed       # the two states, exact TV
+    assert "differs from the exact one in" in printed                             # the single draw's verdicts
+    assert any("def my_dppo_loss(" in c.source and "todo(" in c.source for c in main)  # the skeleton, unfilled
+    assert "my_dppo_loss is not written yet" in printed                           # ... and said so
+    assert all(f"{name}: " in printed for name in ("w not detached", "masked tokens out of N", "no direction test"))
+    assert any("dppo.train(" in c.source and "loss_fn=" in c.source and "your_loss" in c.source for c in main)
+    assert "their mu: median" in printed                                          # the live run's masked tokens
     assert appendix < 0.7 * len(cells)  # the main path is well under the whole
 
 
@@ -2118,6 +2126,7 @@ def test_walkthrough_stated_numbers_check_catches_an_unprinted_one():
     for wrong in ("0.0313 masked", "+0.097", "70 % rare", "0.16"):
         assert not all(_shown(c, printed) for c in _stated(wrong)), wrong
     assert _stated("Eq. 12, section 4, Thm 3.2 (App. F.4) and `lr=1e-4`") == []
+    assert _stated("[the pull request](https://github.com/huggingface/trl/pull/5117)") == []
 
 
 def test_walkthrough_cells_rerun_without_rebound_names():
@@ -2150,12 +2159,24 @@ def test_walkthrough_evidence_matches_stored_results():
             assert f"{label:>5}, {p:>8} sampler: {m:+.3f} [{lo:+.3f}, {hi:+.3f}] {calls[label, p]}" in evidence
             assert m < 0                                                     # DPPO-TV behind in all six
     assert sorted(k for k, v in calls.items() if v == "worse") == [("grid", "float8"), ("rerun", "float32")]
-    for lag in (0, 2):
-        cell = [s for s in study if (s["lr"], s["lag"], s["depth"]) == (1e-4, lag, 16)]
+    pvals = {k: mm.holm([mm.p_value(mm.paired(runs, p, a, b)) for a, b in comps for p in mm.PRECISIONS])
+             for k, runs, comps in [("grid", grid, mm.COMPARISONS), ("rerun", rerun, mm.COMPARISONS[:2])]}
+    for label, p, i in [("grid", "float8", 2), ("rerun", "float32", 0)]:      # the two 'worse' calls: Holm > 0.05
+        assert f"{label:>5}, {p:>8} sampler:" in evidence and f"Holm {pvals[label][i]:.3f}" in evidence
+        assert pvals[label][i] > 0.05
+    assert evidence.count("the grid's verdict did not hold in the rerun") == 2   # float32 and float8 changed
+    for lr, lag in [(1e-4, 0), (1e-4, 2), (2e-4, 0), (2e-4, 2)]:
+        cell = [s for s in study if (s["lr"], s["lag"], s["depth"]) == (lr, lag, 16)]
         final = {(s["variant"], s["seed"]): s["final"] for s in cell}
-        diffs = [final["ratio_clip", k] - final["dppo_tv", k] for k in sorted({k for _, k in final})]
-        assert f"lag {lag}: " + ", ".join(f"{d:+.3f}" for d in diffs) in evidence
-        assert min(diffs) > 0                                                # ratio clip above on every seed
+        diffs = [final["dppo_tv", k] - final["ratio_clip", k] for k in sorted({k for _, k in final})]
+        assert f"lr {lr:g}, lag {lag}: " + ", ".join(f"{d:+.3f}" for d in diffs) in evidence
+        if lr == 1e-4:
+            assert max(diffs) < 0                                            # ratio clip above on every seed
+    ahead = {(lr, lag, v): sum(s["final"] for s in study if (s["variant"], s["lr"], s["lag"], s["depth"]) ==
+                               (v, lr, lag, 16)) / 3 for lr, lag in [(2e-4, 0), (2e-4, 2)] for v in
+             ("dppo_tv", "dppo_kl", "ratio_clip")}
+    assert ahead[2e-4, 2, "dppo_tv"] > ahead[2e-4, 2, "ratio_clip"] and ahead[2e-4, 0, "dppo_kl"] > ahead[
+        2e-4, 0, "ratio_clip"]                                                   # the cells where DPPO was ahead
     for p in ("float32", "float8"):                                          # a trust region beat none
         m, lo, hi = mm.interval(mm.paired(grid, p, "dppo_tv", "pg_is"))
         assert f"{p} {m:+.3f} [{lo:+.3f}, {hi:+.3f}]" in evidence and lo > 0
@@ -2175,15 +2196,71 @@ def test_walkthrough_evidence_matches_stored_results():
     assert f"{m:+.3f} [{lo:+.3f}, {hi:+.3f}]" in evidence and lo < 0 < hi    # the dose study: undecided
 
 
-def test_walkthrough_notebook_executes():
-    """walkthrough.ipynb runs top to bottom headless (nbclient); every plotting cell shows its figure."""
+def _solution_filled_in(nb):
+    """The notebook with my_dppo_loss's skeleton replaced by the solution folded away below it."""
+    skeleton = next(c for c in nb.cells if c.cell_type == "code" and "def my_dppo_loss(" in c.source)
+    solution = next(c for c in nb.cells if c.cell_type == "markdown" and "def my_dppo_loss(" in c.source)
+    skeleton.source = re.search(r"```python\n(.*?)```", solution.source, re.S)[1].strip()
+    return nb
+
+
+@pytest.mark.parametrize("filled", [False, True], ids=["skeleton", "solution"])
+def test_walkthrough_notebook_executes(filled):
+    """walkthrough.ipynb runs top to bottom headless (nbclient), with my_dppo_loss's skeleton as committed (it says so
+    and trains with dppo.dppo_loss) and with the solution filled in (the check passes, the live run trains with it);
+    every plotting cell shows its figure."""
     import nbformat
     from nbclient import NotebookClient
     nb = nbformat.read(NOTEBOOK, as_version=4)
+    if filled:
+        nb = _solution_filled_in(nb)
     NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": ROOT}}).execute()
     for cell in nb.cells:
         if cell.cell_type == "code" and "plt.show()" in cell.source:
             assert any("image/png" in o.get("data", {}) for o in cell.outputs), cell.source[:80]
+    printed = "\n".join(_printed(c) for c in nb.cells if c.cell_type == "code")
+    said = "my_dppo_loss passes the check" if filled else "my_dppo_loss is not written yet"
+    assert said in printed and "your DPPO-TV: held-out accuracy" in printed
+
+
+def _loss_check():
+    """The notebook's check_my_loss, run from its own cells (the imports, then its definition)."""
+    cells = [c for c in _notebook_cells() if c.cell_type == "code"]
+    namespace = {}
+    for cell in (cells[0], next(c for c in cells if "def check_my_loss(" in c.source)):
+        exec(cell.source, namespace)
+    return namespace["check_my_loss"]
+
+
+def _dppo_tv_loss(logp, logp_mu, advantages, completion_mask, delta=0.15, *, detach_w=True, all_in_n=True,
+                  direction=True):
+    """DPPO-TV written here as a learner might (w = p / mu, the direction read on probabilities), with the three
+    classic mistakes as switches."""
+    p, p_mu = logp.detach().exp(), logp_mu.exp()
+    A = advantages[:, None]
+    pushed = (A * (p - p_mu) > 0) if direction else torch.ones_like(p, dtype=torch.bool)
+    M = 1.0 - (pushed & ((p - p_mu).abs() > delta)).float()
+    w = p / p_mu if detach_w else (logp - logp_mu).exp()
+    valid = completion_mask
+    N = valid.sum() if all_in_n else (valid * M).sum()
+    return -(M * w * A * logp * valid).sum() / N, M
+
+
+def test_walkthrough_loss_check_accepts_any_right_rounding():
+    """The notebook's check passes a right DPPO-TV loss that computes w as p / mu (not exp of the log-ratio, as
+    dppo_loss does) on 2,000 random draws: its tolerances are wide enough for float32 rounding."""
+    check = _loss_check()
+    assert [seed for seed in range(2000) if check(_dppo_tv_loss, seed=seed)] == []
+
+
+@pytest.mark.parametrize("mistake, diagnosis", [({"detach_w": False}, "is w detached?"),
+                                                ({"all_in_n": False}, "masked tokens left out of N?"),
+                                                ({"direction": False}, "is the direction test there?")])
+def test_walkthrough_loss_check_names_each_classic_mistake(mistake, diagnosis):
+    """Each of the three classic mistakes fails the notebook's check, on every one of 20 draws, with its cause."""
+    check = _loss_check()
+    for seed in range(20):
+        assert diagnosis in check(functools.partial(_dppo_tv_loss, **mistake), seed=seed)
 
 
 # ------------------------------------------------------------------------------------------------ benchmark
