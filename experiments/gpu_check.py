@@ -26,6 +26,12 @@ Checks and thresholds (the smoke size runs the same code at sizes where the accu
 7. The same update in float32 and under bf16 autocast: tokens per second, bf16 / float32 >= 1.3.
 8. Save and --resume: 2 steps, then --resume to 4, against 4 uninterrupted: steps 1..4 logged once each, final
    held-out accuracy within 0.05 (on CUDA the kernels are not bitwise deterministic, so not equal).
+9. Graphed decode steps (GraphedDecoding, compiled on CUDA) against the plain steps, the model held in bf16 (a LoRA's
+   base) under bf16 autocast, left-padded prompts, T = 64 new tokens, two batch sizes (the second narrower, its rows
+   padded into the one cache): the graphed steps' tokens scored again by the plain steps on the same prefixes, log mu
+   within dppo.GRAPH_GAP["bfloat16"] (whether independent draws match is reported); and a Mistral with a
+   sliding window shorter than the sequence left on the plain steps by choose_decoding. Forced onto graphed steps
+   anyway, that model's CUDA-graph recordings and recompiles are reported (TORCH_LOGS=cudagraphs shows each).
 """
 import argparse
 import json
@@ -249,6 +255,46 @@ def check_resume(ctx) -> tuple:
         "steps": steps, "acc_gap": gap}
 
 
+def graphed_against_plain(model, graphed, ids, mask, T: int, device) -> tuple:
+    """Tokens sampled by the graphed steps, scored again by the plain steps (dppo.CachedDecoding) on the same prefixes
+    under bf16 autocast -> (the max abs difference of log mu, whether an independent plain run drew the same)."""
+    kw = dict(max_new_tokens=T, temperature=1.0, topk=0, eos_token_id=-1, pad_token_id=0)
+    with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16):
+        fast = dppo.sample_with_topk(model, ids, mask, generator=torch.Generator(device).manual_seed(0),
+                                     decoding=graphed, **kw)
+        plain = dppo.sample_with_topk(model, ids, mask, generator=torch.Generator(device).manual_seed(0), **kw)
+        steps, sampled = dppo.CachedDecoding(model, ids, mask, T), fast.completion_ids
+        logp = torch.stack([torch.log_softmax(steps.next_logits(sampled[:, :t]), -1).gather(-1, sampled[:, t, None])
+                            for t in range(T)], dim=1)[..., 0]                         # (B, T) the plain steps' log mu
+    return float((logp - fast.logp_mu).abs().max()), bool(torch.equal(fast.completion_ids, plain.completion_ids))
+
+
+def check_graphed_decode(ctx) -> tuple:
+    """Check 9: graphed against plain decode steps in bf16 (bf16 weights), two batch sizes; the sliding-window rule."""
+    import transformers as tf
+    from torch._dynamo.utils import counters
+    torch.manual_seed(0)
+    shapes = {**ctx.shapes, "num_hidden_layers": 2}
+    model = tf.LlamaForCausalLM(tf.LlamaConfig(**shapes, tie_word_embeddings=False))
+    model = model.to(ctx.dev, torch.bfloat16).eval()
+    model.get_output_embeddings().float()  # as dppo.adapt holds a bf16 base
+    graphed = dppo.GraphedDecoding(model, compile=ctx.dev.type == "cuda")
+    prompts = {B: left_padded(shapes["vocab_size"], [ctx.P - (i % 3) for i in range(B)], ctx.dev) for B in (8, 4)}
+    runs = [graphed_against_plain(model, graphed, *prompts[B], 64, ctx.dev) for B in (8, 4)]
+    gap = max(g for g, _ in runs)
+    sliding = tf.MistralForCausalLM(tf.MistralConfig(**shapes, sliding_window=16)).to(ctx.dev).eval()
+    _, note = dppo.choose_decoding(sliding, dppo.Config(max_new_tokens=64), True, "mistral", ctx.dev.type == "cuda")
+    before = {k: sum(v.values()) for k, v in counters.items()}
+    graphed_against_plain(sliding, dppo.GraphedDecoding(sliding, ctx.dev.type == "cuda"),
+                          *left_padded(shapes["vocab_size"], [ctx.P] * 4, ctx.dev), 64, ctx.dev)
+    grown = {k: sum(v.values()) - before.get(k, 0) for k, v in counters.items() if sum(v.values()) > before.get(k, 0)}
+    passed = gap <= dppo.GRAPH_GAP["bfloat16"] and "sliding-window" in note
+    return passed, (f"max abs d log mu {gap:.2e} (B = 8, then 4 in the same cache); independent draws equal: "
+                    f"{[same for _, same in runs]}; Mistral: {note}; forced onto graphed steps, the compiler's "
+                    f"counters grew by {grown}"), {"graph_gap": gap, "draws_equal": [same for _, same in runs],
+                                          "sliding_counters": grown}
+
+
 CHECKS = [
     ("`python dppo.py`, 60 steps", "held-out accuracy >= 0.90", check_default),
     ("first mini-batch, float32", "max abs(pi - mu) <= 1e-5", check_mismatch),
@@ -258,6 +304,8 @@ CHECKS = [
     ("Qwen2.5-0.5B shapes, 1,024-token completions", "peak memory falls with the budget", check_memory),
     ("`--dtype bfloat16` vs float32 update", "bf16 tokens/s >= float32's", check_dtype_speed),
     ("save and `--resume`", "steps 1..4 once; accuracy within 0.05", check_resume),
+    ("graphed decode, bf16 weights; a sliding window", "same tokens, log mu within GRAPH_GAP; sliding: plain",
+     check_graphed_decode),
 ]
 
 

@@ -13,8 +13,9 @@ directory), the prompts of examples/own_task, bf16 autocast over float32 weights
    1.7B shapes. Targets: dppo >= 2x TRL a rollout, peak memory <= TRL's.
 3. memory (issue "The models people train on one GPU"): one DPPO step, B = 16 completions of exactly 256 tokens,
    gradient checkpointing on, bf16 autocast, under torch.cuda.set_per_process_memory_fraction: LoRA r = 16 on
-   Llama-3.1-8B's shapes (hidden 4,096, 32 layers, 32/8 heads, intermediate 14,336, V = 128,256) in 24 GiB, and full
-   fine-tuning with bf16 weights on Llama-3.2-3B's shapes in 80 GiB; the peak beside dppo.memory_plan's figures.
+   Llama-3.1-8B's shapes (hidden 4,096, 32 layers, 32/8 heads, intermediate 14,336, V = 128,256; its frozen base in
+   bf16) in 24 GiB, and full fine-tuning (float32 weights: dppo.py refuses bf16 ones there) on Llama-3.2-3B's shapes
+   in 80 GiB; the peak beside dppo.memory_plan's figures.
    Targets: each peak within its cap; the plan within 15 % of the peak (it counts weights, gradients and AdamW
    state only, so the activations make up the rest). Random weights are built on the GPU (no checkpoint on disk).
 
@@ -181,9 +182,9 @@ def vs_trl(tok_dir: str, smoke: bool) -> list:
 # --- 3. memory ------------------------------------------------------------------------------------------------
 MEMORY_RUNS = {  # name: (hidden, layers, query heads, key-value heads, intermediate, vocab, GiB cap, flags)
     "tiny-lora": (64, 2, 4, 2, 128, 50000, None, dict(lora_r=4, lora_alpha=8.0)),
-    "tiny-bf16": (64, 2, 4, 2, 128, 50000, None, dict(weights="bfloat16")),
+    "tiny-lora-bf16": (64, 2, 4, 2, 128, 50000, None, dict(lora_r=4, lora_alpha=8.0, weights="bfloat16")),
     "llama-8b-lora": (4096, 32, 32, 8, 14336, 128256, 24, dict(lora_r=16, lora_alpha=32.0)),
-    "llama-3b-bf16": (3072, 28, 24, 8, 8192, 128256, 80, dict(weights="bfloat16")),
+    "llama-3b-full": (3072, 28, 24, 8, 8192, 128256, 80, dict()),
 }
 
 
