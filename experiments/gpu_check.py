@@ -285,9 +285,13 @@ def check_graphed_decode(ctx) -> tuple:
     sliding = tf.MistralForCausalLM(tf.MistralConfig(**shapes, sliding_window=16)).to(ctx.dev).eval()
     _, note = dppo.choose_decoding(sliding, dppo.Config(max_new_tokens=64), True, "mistral", ctx.dev.type == "cuda")
     before = {k: sum(v.values()) for k, v in counters.items()}
-    graphed_against_plain(sliding, dppo.GraphedDecoding(sliding, ctx.dev.type == "cuda"),
-                          *left_padded(shapes["vocab_size"], [ctx.P] * 4, ctx.dev), 64, ctx.dev)
-    grown = {k: sum(v.values()) - before.get(k, 0) for k, v in counters.items() if sum(v.values()) > before.get(k, 0)}
+    try:  # (informative only: some transformers' static sliding layers fail under autocast, one more reason)
+        graphed_against_plain(sliding, dppo.GraphedDecoding(sliding, ctx.dev.type == "cuda"),
+                              *left_padded(shapes["vocab_size"], [ctx.P] * 4, ctx.dev), 64, ctx.dev)
+        grown = {k: sum(v.values()) - before.get(k, 0) for k, v in counters.items()
+                 if sum(v.values()) > before.get(k, 0)}
+    except Exception as e:
+        grown = f"nothing: it raised {dppo._why(e)[:80]}"
     passed = gap <= dppo.GRAPH_GAP["bfloat16"] and "sliding-window" in note
     return passed, (f"max abs d log mu {gap:.2e} (B = 8, then 4 in the same cache); independent draws equal: "
                     f"{[same for _, same in runs]}; Mistral: {note}; forced onto graphed steps, the compiler's "
