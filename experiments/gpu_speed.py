@@ -227,10 +227,10 @@ def memory(tok_dir: str, smoke: bool) -> list:
                 dppo.train(dataclasses.replace(cfg, out_dir=out),
                            dataset=DatasetDict(train=ds, test=ds.select(range(2))), reward_fn=varied_reward)
             planned = dppo.memory_plan(dppo.with_model_defaults(cfg))
-            row.update(plan_weights_gib=planned[0], plan_training_gib=planned[1])
+            row.update(plan_weights_gib=planned[0], plan_training_gib=planned[1], plan_twin_gib=planned[2])
             if device.type == "cuda":
                 row["peak_gib"] = torch.cuda.max_memory_allocated() / 2 ** 30
-                row["plan_share_of_peak"] = sum(planned) / row["peak_gib"]
+                row["plan_share_of_peak"] = (planned[0] + max(planned[1:])) / row["peak_gib"]  # (the twin: freed first)
         except Exception as e:  # an out-of-memory error under the cap is a result too
             row["error"] = dppo._why(e)
         finally:
