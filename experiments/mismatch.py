@@ -105,8 +105,8 @@ FULL = dict(methods=list(METHODS), precisions=PRECISIONS, seeds=list(range(12)),
             eval_every=5, prompts_per_step=16, group_size=8, eval_size=1000, warm_start_steps=600, depth=4)
 GROUPS = dict(FULL, methods=["dppo_tv", "ratio_clip", "pg_is"])  # --groups: the headline cells again
 PILOT = dict(FULL, methods=["ratio_clip"], precisions=["float32"], seeds=[0, 1], lrs=[1e-4, 2e-4, 4e-4, 8e-4])
-QUICK = dict(methods=list(METHODS), precisions=PRECISIONS, seeds=[0, 1], warm_starts=2, steps=2, eval_every=1,
-             prompts_per_step=4, group_size=4, eval_size=40, warm_start_steps=30, depth=2, lrs=[1e-4])
+QUICK = dict(methods=list(METHODS), precisions=PRECISIONS, seeds=[0, 1], warm_starts=2, steps=1, eval_every=1,
+             prompts_per_step=4, group_size=4, eval_size=20, warm_start_steps=20, depth=2, lrs=[1e-4])
 # Student t quantiles 0.975 by degrees of freedom (12 paired seeds: 11, t = 2.201); from any t table
 T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
          11: 2.201}
