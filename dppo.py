@@ -1160,12 +1160,12 @@ def float32_twin(model):
     decoder = base  # (the text decoder's layers, not a vision tower's)
     with contextlib.suppress(AttributeError, TypeError, ValueError):
         decoder = base.get_decoder()
-    layers = [m for root in (decoder, base) for m in root.modules()  # (ModernBERT's get_decoder: its head)
-              if isinstance(m, torch.nn.ModuleList) and len(m) == L][:1]
-    if not layers:
+    layers = next((m for root in (decoder, base) for m in root.modules()  # (ModernBERT's get_decoder: its head)
+                   if isinstance(m, torch.nn.ModuleList) and len(m) == L), None)
+    if layers is None:
         raise ValueError(f"no list of its {L} layers found")
     kinds = [(tuple(v[i] for v in per_layer.values()), [(n, p.shape) for n, p in layer.named_parameters()])
-             for i, layer in enumerate(layers[0])]
+             for i, layer in enumerate(layers)]
     cut = 1 + max(kinds.index(kind) for kind in kinds)  # the first layer of each kind, and those before it
     text.num_hidden_layers = cut
     for key in vars(text).keys() & per_layer.keys():  # (a list derived from num_hidden_layers follows it)
