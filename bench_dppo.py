@@ -13,6 +13,7 @@ run): the same measure on CPU and GPU, blind to allocator caching, and excluding
 weights).
 """
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -223,20 +224,24 @@ def bench_train_step(args, device):
     ds, reward_fn = dppo.load_task(cfg)
     model, tok = dppo.load_model_and_tokenizer(cfg, device)
     through_head = dppo.check_scoring(model)
+    share = dppo.check_sharing(model, through_head) is None  # the paths a run takes (start_run)
+    sampler = functools.partial(dppo.sample_with_topk, decoding=functools.partial(dppo.CachedDecoding,
+                                                                                 share_rows=share))
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, fused=device.type in ("cpu", "cuda"))
     rows = ds["train"][list(range(cfg.prompts_per_step))]
-    batch = dppo.collect_rollout(model, tok, rows, reward_fn, cfg, generator=gen)
+    batch = dppo.collect_rollout(model, tok, rows, reward_fn, cfg, sampler, generator=gen)
 
     def scoring():
         with torch.no_grad():
             for idx in torch.arange(len(batch.advantages)).chunk(cfg.num_minibatches):
                 dppo.policy_logprobs(model, batch.prompt_ids[idx], batch.prompt_mask[idx],
                                      batch.rollout.completion_ids[idx], batch.rollout.completion_mask[idx],
-                                     through_head=through_head)
+                                     through_head=through_head, share_prompts=share)
 
-    res = measure({"sample": lambda: dppo.collect_rollout(model, tok, rows, reward_fn, cfg, generator=gen),
+    res = measure({"sample": lambda: dppo.collect_rollout(model, tok, rows, reward_fn, cfg, sampler, generator=gen),
                    "score": scoring,
-                   "update": lambda: dppo.update_policy(model, opt, batch, cfg, gen, through_head=through_head)},
+                   "update": lambda: dppo.update_policy(model, opt, batch, cfg, gen, through_head=through_head,
+                                                        share_prompts=share)},
                   device, args.repeats)
     (t_sample, _), (t_score, _), (t_update, _) = res["sample"], res["score"], res["update"]
     total = t_sample + t_update
@@ -296,39 +301,50 @@ def matmul_rate(config, device, repeats) -> float:
 def bench_phases(args, device, model, tok, ds, reward_fn, cfg):
     """Each phase of one rollout of cfg's shape and its M updates, timed on its own against its FLOP floor: 2 x
     (weights a token passes through) x tokens for a forward, 6x for forward + backward, the head's V x H counted
-    where it runs; real (unpadded) tokens; at the float32 matmul rate measured here. The optimiser (memory-bound)
-    and the reward have no FLOP floor. Then the regression's candidates, each measured against the code as it is."""
+    where it runs; real (unpadded) tokens, each prompt a group shares counted once where the run forwards it once
+    (the sampler's prefill: the distinct prompts; the update: each mini-batch's distinct prompts but their last token,
+    then each row's last prompt token and completion); at the float32 matmul rate measured here. The optimiser
+    (memory-bound) and the reward have no FLOP floor. Then today's paths against the code's own, in the same run,
+    and the regression's candidates."""
     through_head = dppo.check_scoring(model)
+    share = dppo.check_sharing(model, through_head) is None  # (SmolLM2: its cache shares prompts)
+    shared = functools.partial(dppo.CachedDecoding, share_rows=share)
     opt = torch.optim.AdamW(model.parameters(), lr=0.0, fused=device.type in ("cpu", "cuda"))  # lr 0: fixed work
     rows = ds["train"][list(range(cfg.prompts_per_step))]
-    batch = dppo.collect_rollout(model, tok, rows, reward_fn, cfg, generator=torch.Generator(device).manual_seed(0))
+    batch = dppo.collect_rollout(model, tok, rows, reward_fn, cfg, sampler=functools.partial(
+        dppo.sample_with_topk, decoding=shared), generator=torch.Generator(device).manual_seed(0))
     ro, B, G = batch.rollout, len(batch.advantages), cfg.group_size
     V, H = model.get_output_embeddings().weight.shape
     n_dec = sum(p.numel() for p in model.get_decoder().parameters()) - model.get_input_embeddings().weight.numel()
-    p_tok, c_tok = float(batch.prompt_mask.sum()), float(ro.completion_mask.sum())  # real tokens
+    p_len, c_len = batch.prompt_mask.sum(-1), ro.completion_mask.sum(-1)            # (B,) real tokens
+    p_tok, c_tok = float(p_len.sum()), float(c_len.sum())
     T = ro.completion_ids.shape[1]
     prompts, completions = zip(*batch.texts)
     extra = {k: [v for v in vals for _ in range(G)] for k, vals in rows.items() if k != "prompt"}
     eos = dppo.eos_token_ids(tok, model)
     minibatches = torch.randperm(B, generator=torch.Generator().manual_seed(0)).tensor_split(cfg.num_minibatches)
-    distinct = torch.arange(0, B, G)  # one row of each prompt (prompt-major)
+    prompt_of = dppo.distinct_prompts(batch.prompt_ids, batch.prompt_mask)[2]       # (B,) which prompt a row holds
+    distinct = torch.tensor([int((prompt_of == u).nonzero()[0]) for u in prompt_of.unique()])  # a row of each
+    update_tok = p_tok + c_tok  # the update's tokens: every row's prompt and completion; sharing: each mini-batch's
+    if share:                   # distinct prompts but their last token once, each row's last one and its completion
+        update_tok = sum(float(p_len[d].sum()) - len(d) for d in (distinct_rows(i, prompt_of) for i in minibatches))
+        update_tok += B + c_tok
+    row_steps = []  # the rows each decode step computes, counted on the model's own forward
+    hook = model.register_forward_pre_hook(lambda m, a, kw: row_steps.append(len(kw["input_ids"])), with_kwargs=True)
+    sample(model, batch, cfg, eos, tok, shared)
+    hook.remove()
+    row_steps = row_steps[1:]  # (the first call is the prefill)
 
     @torch.no_grad()
-    def prefill(i):
-        attn = batch.prompt_mask[i]
-        model(input_ids=batch.prompt_ids[i], attention_mask=attn, position_ids=(attn.cumsum(-1) - 1).clamp_min(0),
-              use_cache=True, logits_to_keep=1)
-
-    def sample():
-        dppo.sample_with_topk(model, batch.prompt_ids, batch.prompt_mask, max_new_tokens=cfg.max_new_tokens,
-                              temperature=cfg.temperature, topk=dppo.captured_topk(cfg), eos_token_id=eos,
-                              pad_token_id=tok.pad_token_id, generator=torch.Generator(device).manual_seed(0))
+    def prefill(decoding):
+        live = torch.arange(B, device=device)
+        decoding(model, batch.prompt_ids, batch.prompt_mask, T).next_logits(ro.completion_ids[:, :0], live)
 
     @torch.no_grad()
     def score():
         dppo.scoring_mode(model)
         for i in minibatches:
-            dppo.score_rows(model, batch, i, cfg, through_head)
+            dppo.score_rows(model, batch, i, cfg, through_head, share)
 
     def forward_backward(**kw):  # the update's forward, loss and backward without the optimiser, policy_logprobs' kw
         dppo.scoring_mode(model)
@@ -347,48 +363,74 @@ def bench_phases(args, device, model, tok, ds, reward_fn, cfg):
         for _ in range(cfg.num_minibatches):
             opt.step()
 
+    def update(share_prompts):
+        dppo.update_policy(model, opt, batch, cfg, torch.Generator().manual_seed(0), through_head=through_head,
+                           share_prompts=share_prompts)
+
     probs = torch.softmax(torch.randn(B, V, device=device, generator=torch.Generator(device).manual_seed(0)) * 3, -1)
     g = torch.Generator(device).manual_seed(0)
-    fns = {"prefill": lambda: prefill(slice(None)), "sample": sample, "reward": lambda: reward_fn(
-               list(prompts), list(completions), **extra), "score": score,
-           "update": lambda: dppo.update_policy(model, opt, batch, cfg, torch.Generator().manual_seed(0),
-                                                through_head=through_head),
-           "optimiser": optimiser, "prefill distinct": lambda: prefill(distinct),
+    draw_u = torch.float32 if device.type == "mps" else torch.float64
+    fns = {"prefill": lambda: prefill(shared), "sample": lambda: sample(model, batch, cfg, eos, tok, shared),
+           "reward": lambda: reward_fn(list(prompts), list(completions), **extra), "score": score,
+           "update": lambda: update(share), "optimiser": optimiser,
+           "today: prefill": lambda: prefill(dppo.CachedDecoding),
+           "today: sample": lambda: sample(model, batch, cfg, eos, tok, dppo.CachedDecoding),
+           "today: update": lambda: update(False),
            "draw: torch.multinomial": lambda: [torch.multinomial(probs, 1, generator=g) for _ in range(T - 1)],
-           "draw: inverse CDF": lambda: [dppo._draw(probs, g) for _ in range(T - 1)],
-           "fb: one head pass": lambda: forward_backward(through_head=True),
+           "draw: inverse CDF": lambda: [dppo._draw(probs, torch.rand(B, 1, generator=g, device=device,
+                                                                     dtype=draw_u)) for _ in range(T - 1)],
+           "fb: one head pass": lambda: forward_backward(through_head=True, share_prompts=share),
            "fb: head in 2 checkpointed chunks": lambda: forward_backward(
-               through_head=True, chunk_bytes=(B // cfg.num_minibatches + 1) * V * 4 * ((T + 1) // 2)),
-           "fb: own logits": lambda: forward_backward(through_head=False)}
+               through_head=True, share_prompts=share,
+               chunk_bytes=(B // cfg.num_minibatches + 1) * V * 4 * ((T + 1) // 2)),
+           "fb: own logits": lambda: forward_backward(through_head=False, share_prompts=share)}
     res = measure(fns, device, args.phase_repeats)
     rate = matmul_rate(model.config, device, args.repeats)
     sec = {k: v[0] for k, v in res.items()}
-    decode = sec["sample"] - sec["prefill"]
-    floors = {"prefill": 2 * n_dec * p_tok + 2 * V * H * B, "decode": 2 * (n_dec + V * H) * (c_tok - B),
-              "score": 2 * n_dec * (p_tok + c_tok) + 2 * V * H * c_tok,
-              "update": 6 * n_dec * (p_tok + c_tok) + 6 * V * H * c_tok}
+    decode, today_decode = sec["sample"] - sec["prefill"], sec["today: sample"] - sec["today: prefill"]
+    prefill_tok = float(p_len[distinct].sum()) if share else p_tok
+    floors = {"prefill": 2 * n_dec * prefill_tok + 2 * V * H * (len(distinct) if share else B),
+              "decode": 2 * (n_dec + V * H) * (c_tok - B),
+              "score": 2 * n_dec * update_tok + 2 * V * H * c_tok,
+              "update": 6 * n_dec * update_tok + 6 * V * H * c_tok}
     kilo = c_tok / 1000
     rollout = sec["sample"] + sec["reward"] + sec["update"]
 
     def row(name, s, floor=None, note=""):
         return [name, f"{s:.2f}", f"{s / kilo:.2f}", f"{s / rollout:.0%}",
                 f"{s / (floor / rate):.2f}x" if floor else "", note]
-    rows = [row(f"prompt prefill ({B} rows x {batch.prompt_ids.shape[1]} positions)", sec["prefill"],
-                floors["prefill"], f"the {len(distinct)} distinct prompts alone: {sec['prefill distinct']:.2f} s"),
-            row(f"decode ({T - 1} steps of {B} rows)", decode, floors["decode"],
-                f"{decode / (T - 1) * 1000:.0f} ms a step; rows that ended still computed"),
+    rows = [row(f"prompt prefill ({len(distinct) if share else B} distinct prompts x {batch.prompt_ids.shape[1]} "
+                f"positions, the cache gathered to {B} rows)", sec["prefill"], floors["prefill"],
+                f"every row's prompt ({B}), as before: {sec['today: prefill']:.2f} s"),
+            row(f"decode ({len(row_steps)} steps, {sum(row_steps)} row-steps: the rows still sampling)", decode,
+                floors["decode"], f"{int(c_tok)} completion tokens - {B} rows' first (from the prefill) = "
+                f"{int(c_tok) - B}; every row every step, as before: {(T - 1) * B} row-steps, "
+                f"{today_decode:.2f} s"),
             row("reward", sec["reward"]),
             row(f"scoring forward, no grad ({cfg.num_minibatches} mini-batches; inside the update)", sec["score"],
                 floors["score"]),
             row(f"update: {cfg.num_minibatches} x (forward + loss + backward + AdamW)", sec["update"],
-                floors["update"], f"of it the {cfg.num_minibatches} AdamW steps: {sec['optimiser']:.2f} s"),
+                floors["update"], f"of it the AdamW steps: {sec['optimiser']:.2f} s; every row's prompt forwarded, "
+                f"as before: {sec['today: update']:.2f} s"),
             row("rollout + updates (sample + reward + update)", rollout, sum(floors[k] for k in
                                                                               ("prefill", "decode", "update")))]
     table(f"Phases of one rollout of {cfg.prompts_per_step} x {G} and its {cfg.num_minibatches} updates "
           f"({int(c_tok)} completion tokens, mean {c_tok / B:.1f}; prompts {p_tok / B:.1f} tokens; "
-          f"{'head on the decoder' if through_head else 'its own logits'}), median of {args.phase_repeats} after 1 "
-          f"warm-up; float32 matmul rate {rate / 1e9:.0f} GFLOP/s",
+          f"{'head on the decoder' if through_head else 'its own logits'}; "
+          f"{'each prompt forwarded once for its group' if share else 'every row its own prompt'}), median of "
+          f"{args.phase_repeats} after 1 warm-up; float32 matmul rate {rate / 1e9:.0f} GFLOP/s",
           ["phase", "s / rollout", "s / 1,000 completion tokens", "share", "x FLOP floor", "note"], rows)
+    today = sec["today: sample"] + sec["reward"] + sec["today: update"]
+    table("The paths as they were (every row its own prompt, every row every decode step), same rollout, same run",
+          ["part", "before (s)", "now (s)", "before / now", "peak tensor memory before / now (MB)"],
+          [["prompt prefill", f"{sec['today: prefill']:.2f}", f"{sec['prefill']:.2f}",
+            f"{sec['today: prefill'] / sec['prefill']:.2f}x",
+            f"{res['today: prefill'][1]:.0f} / {res['prefill'][1]:.0f}"],
+           ["sampling (prefill + decode)", f"{sec['today: sample']:.2f}", f"{sec['sample']:.2f}",
+            f"{sec['today: sample'] / sec['sample']:.2f}x", f"{res['today: sample'][1]:.0f} / {res['sample'][1]:.0f}"],
+           [f"update ({cfg.num_minibatches} optimiser steps)", f"{sec['today: update']:.2f}", f"{sec['update']:.2f}",
+            f"{sec['today: update'] / sec['update']:.2f}x", f"{res['today: update'][1]:.0f} / {res['update'][1]:.0f}"],
+           ["rollout + updates", f"{today:.2f}", f"{rollout:.2f}", f"{today / rollout:.2f}x", ""]])
     table("The regression's candidates, each against the code as it is (same rollout, same run)",
           ["candidate", "time (s)", "the code now (s)", "cost"],
           [[f"drawing the token: torch.multinomial, {T - 1} steps of ({B}, {V // 1000}k)",
@@ -399,10 +441,24 @@ def bench_phases(args, device, model, tok, ds, reward_fn, cfg):
             f"{sec['fb: head in 2 checkpointed chunks'] - sec['fb: one head pass']:+.2f} s"],
            ["the model's own logits (forward + backward)", f"{sec['fb: own logits']:.2f}",
             f"{sec['fb: one head pass']:.2f} (head on the decoder)",
-            f"{sec['fb: own logits'] - sec['fb: one head pass']:+.2f} s"],
-           [f"every row prefilling its prompt ({B} rows, not {len(distinct)})", f"{sec['prefill']:.2f}",
-            f"{sec['prefill distinct']:.2f} (distinct prompts)", f"{sec['prefill'] - sec['prefill distinct']:+.2f} s"]])
+            f"{sec['fb: own logits'] - sec['fb: one head pass']:+.2f} s"]])
     return {"seconds": rollout, "completion_tokens": c_tok}
+
+
+def distinct_rows(rows, prompt_of):
+    """One row of each distinct prompt among `rows` (n,), by prompt_of (B,): which prompt each row holds."""
+    firsts = {}
+    for r in rows.tolist():
+        firsts.setdefault(int(prompt_of[r]), r)
+    return torch.tensor(list(firsts.values()))
+
+
+def sample(model, batch, cfg, eos, tok, decoding):
+    """One rollout's sampling, with the run's capture, by `decoding` (CachedDecoding's contract)."""
+    dppo.sample_with_topk(model, batch.prompt_ids, batch.prompt_mask, max_new_tokens=cfg.max_new_tokens,
+                          temperature=cfg.temperature, topk=dppo.captured_topk(cfg), eos_token_id=eos,
+                          pad_token_id=tok.pad_token_id, decoding=decoding,
+                          generator=torch.Generator(batch.prompt_ids.device).manual_seed(0))
 
 
 # ------------------------------------------------------------------------------ 6. against TRL's GRPOTrainer

