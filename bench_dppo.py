@@ -336,9 +336,9 @@ def bench_phases(args, device, model, tok, ds, reward_fn, cfg):
     row_steps = row_steps[1:]  # (the first call is the prefill)
 
     @torch.no_grad()
-    def prefill(decoding):
-        live = torch.arange(B, device=device)
-        decoding(model, batch.prompt_ids, batch.prompt_mask, T).next_logits(ro.completion_ids[:, :0], live)
+    def prefill(decoding, rows=slice(None)):  # rows: the prompts' rows it prefills (all B, or one of each prompt)
+        ids, mask = batch.prompt_ids[rows], batch.prompt_mask[rows]
+        decoding(model, ids, mask, T).next_logits(ro.completion_ids[rows, :0], torch.arange(len(ids), device=device))
 
     @torch.no_grad()
     def score():
@@ -367,6 +367,7 @@ def bench_phases(args, device, model, tok, ds, reward_fn, cfg):
         dppo.update_policy(model, opt, batch, cfg, torch.Generator().manual_seed(0), through_head=through_head,
                            share_prompts=share_prompts)
 
+    optimiser()  # AdamW's state made now: not counted in the first update's peak memory alone
     probs = torch.softmax(torch.randn(B, V, device=device, generator=torch.Generator(device).manual_seed(0)) * 3, -1)
     g = torch.Generator(device).manual_seed(0)
     draw_u = torch.float32 if device.type == "mps" else torch.float64
@@ -374,6 +375,7 @@ def bench_phases(args, device, model, tok, ds, reward_fn, cfg):
            "reward": lambda: reward_fn(list(prompts), list(completions), **extra), "score": score,
            "update": lambda: update(share), "optimiser": optimiser,
            "today: prefill": lambda: prefill(dppo.CachedDecoding),
+           "the distinct prompts alone": lambda: prefill(dppo.CachedDecoding, distinct),
            "today: sample": lambda: sample(model, batch, cfg, eos, tok, dppo.CachedDecoding),
            "today: update": lambda: update(False),
            "draw: torch.multinomial": lambda: [torch.multinomial(probs, 1, generator=g) for _ in range(T - 1)],
@@ -401,7 +403,9 @@ def bench_phases(args, device, model, tok, ds, reward_fn, cfg):
                 f"{s / (floor / rate):.2f}x" if floor else "", note]
     rows = [row(f"prompt prefill ({len(distinct) if share else B} distinct prompts x {batch.prompt_ids.shape[1]} "
                 f"positions, the cache gathered to {B} rows)", sec["prefill"], floors["prefill"],
-                f"every row's prompt ({B}), as before: {sec['today: prefill']:.2f} s"),
+                f"{sec['prefill'] / sec['the distinct prompts alone']:.2f}x the {len(distinct)} distinct prompts "
+                f"alone ({sec['the distinct prompts alone']:.2f} s); every row's prompt ({B}), as before: "
+                f"{sec['today: prefill']:.2f} s"),
             row(f"decode ({len(row_steps)} steps, {sum(row_steps)} row-steps: the rows still sampling)", decode,
                 floors["decode"], f"{int(c_tok)} completion tokens - {B} rows' first (from the prefill) = "
                 f"{int(c_tok) - B}; every row every step, as before: {(T - 1) * B} row-steps, "
@@ -552,7 +556,7 @@ def bench_vs_trl(args, device, engines):
     for engine in engines:
         for trainer in ("dppo", "trl"):
             cmd = [sys.executable, os.path.abspath(__file__), "--run", f"{trainer},{engine}", "--model", args.model,
-                   "--trl_rollouts", str(args.trl_rollouts), "--device", str(device)]
+                   "--trl_rollouts", str(args.trl_rollouts), "--device", str(device), "--engines", engine]
             out = subprocess.run(cmd, capture_output=True, text=True)
             if out.returncode != 0:
                 raise SystemExit(f"{' '.join(cmd)} failed:\n{out.stderr[-3000:]}")

@@ -393,9 +393,8 @@ class Rollout:
 
 
 def log_top(z: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
-    """log p of the most likely token `top` (..., 1) under softmax(z) (..., V), exact near p = 1: there log1p(-(1 - p)),
-    the rest mass 1 - p from the log-sum-exp of the other logits (z_top - logsumexp(z) rounds to ~1e-6 absolute, all of
-    the rest mass a KL divides by: binary_kl, topk_kl); at p <= 1/2, z_top - logsumexp(z). -> (..., 1)"""
+    """log p (..., 1) of the most likely token `top` (..., 1) under softmax(z) (..., V), exact near p = 1: log1p(-rest),
+    the rest 1 - p from the other logits (z_top - logsumexp(z) rounds to ~1e-6, all of the rest a KL divides by)."""
     lse = z.logsumexp(-1, keepdim=True)                                          # (..., 1)
     log_rest = z.scatter(-1, top, -math.inf).logsumexp(-1, keepdim=True) - lse  # (..., 1) log(1 - p)
     return torch.where(log_rest < -math.log(2), torch.log1p(-log_rest.exp()), z.gather(-1, top) - lse)
@@ -505,9 +504,8 @@ class CachedDecoding:
         cache = getattr(self.out, self.cache_kw, None)
         with _head_in_float32(self.model.get_output_embeddings()):  # the head in float32, as the trainer scores
             if self.out is None:  # the prefill: every row live; each distinct prompt once, gathered to its rows
-                prompts, mask, of = self.prompt_ids, self.prompt_mask, live                # (B, P) x 2, (B,)
-                if self.share_rows:
-                    prompts, mask, of = distinct_prompts(self.prompt_ids, self.prompt_mask)  # (U, P) x 2, (B,)
+                prompts, mask, of = (distinct_prompts(self.prompt_ids, self.prompt_mask) if self.share_rows
+                                     else (self.prompt_ids, self.prompt_mask, live))     # (U, P) x 2, (B,)
                 self.out = self.model(input_ids=prompts, attention_mask=mask, use_cache=True, logits_to_keep=1,
                                       position_ids=(mask.cumsum(-1) - 1).clamp_min(0))
                 if self.share_rows:
@@ -1353,6 +1351,8 @@ def float32_twin(model):
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     with torch.device(base.device):
         twin = type(base)(first_layers_config(base)).float()
+    if base.is_gradient_checkpointing:  # checkpointed as the model is (its training forward then returns no cache)
+        twin.gradient_checkpointing_enable({"use_reentrant": False})
     wanted = twin.state_dict()  # name -> the twin's tensor
     for name, w in merged_weights(model):
         if name in wanted:  # (a layer of the twin's built of another kind than the model's: copy_ refuses its shape)
@@ -2061,11 +2061,10 @@ def start_run(cfg: Config, given: Optional[set], sampler=None, dataset=None, rew
     if cfg.gradient_checkpointing:  # non-reentrant: the weights get their gradients whatever the inputs
         model.gradient_checkpointing_enable({"use_reentrant": False})
     name = f"--model {cfg.model}" if cfg.model else "the embedded model"
-    twin_note, unshared = None, None
-    if cfg.weights == "bfloat16":  # float32 first, on a twin: its checks, and whether its cache shares prompts
-        twin_note, unshared = check_twin(model, name, cfg.temperature)
+    bf16_weights = cfg.weights == "bfloat16"  # float32 first, on a twin: its checks, and whether it shares prompts
+    twin_note, unshared = check_twin(model, name, cfg.temperature) if bf16_weights else (None, None)
     through_head = check_scoring(model, name, cfg.temperature, cfg.dtype)  # sampled = scored, in the run's precision
-    if cfg.weights != "bfloat16":  # (a model held in bf16: as its float32 twin found)
+    if not bf16_weights:  # (a model held in bf16: as its float32 twin found)
         unshared = check_sharing(model, through_head)
     decoding, decode_note = functools.partial(CachedDecoding, share_rows=unshared is None), None  # (CPU, MPS)
     if device.type == "cuda" and not cfg.use_vllm:  # the graphed steps, where chosen, keep a fixed batch
@@ -2092,9 +2091,8 @@ def start_run(cfg: Config, given: Optional[set], sampler=None, dataset=None, rew
     sampler = sampler or eval_sampler
     run = Run(cfg, model, tok, opt, ds, reward_fn, gen, sample_gen, sampler, eval_sampler, through_head,
               unshared is None)
-    share_note = "each prompt forwarded once for its group, ended rows leaving the decode"
-    if unshared is not None:
-        share_note = f"each row forwards its own prompt (a shared one: {unshared})"
+    share_note = ("each prompt forwarded once for its group, ended rows leaving the decode" if unshared is None
+                  else f"each row forwards its own prompt (a shared one: {unshared})")
     print(f"{cfg.model or 'embedded model'}: lr {cfg.lr:g}{' (its default; --lr to change)' if default_lr else ''}, "
           f"{held_in(model, cfg)}, {cfg.dtype} trainer{f' ({twin_note})' if twin_note else ''}, "
           f"{f'vLLM {cfg.vllm_dtype}' if cfg.use_vllm else 'the policy as'} sampler, "
@@ -2230,17 +2228,12 @@ STEP_LINE = ("step {step:4d} | reward {reward:.3f} | masked +{masked_frac_pos:.3
              "({masked_frac_bindable:.3f} of bindable) "
              "| |pi-mu| {abs_dp_mean:.4f} (max {abs_dp_max:.3f}) | D {divergence:.4f} | H {entropy:.3f} "
              "| len {completion_len:.1f} | loss {loss:+.4f} | grad {grad_norm:.3f}")
-PANELS = {
-    "reward & held-out accuracy": ["reward", "acc"],
-    "masked fraction": ["masked_frac_pos", "masked_frac_neg", "masked_frac_bindable"],
-    "mean |pi(a) - mu(a)|": ["abs_dp_mean", "mismatch_dp_mean"],
-    "mean divergence": ["divergence"],
-    "entropy of mu (nats)": ["entropy"],
-    "completion length (tokens)": ["completion_len"],
-    "loss and gradient norm": ["loss", "grad_norm"],
-    "groups with equal rewards (A = 0)": ["zero_adv_groups"],
-    "seconds per step": ["seconds"],
-}
+PANELS = {"reward & held-out accuracy": ["reward", "acc"],  # a panel's title: the metrics it plots
+          "masked fraction": ["masked_frac_pos", "masked_frac_neg", "masked_frac_bindable"],
+          "mean |pi(a) - mu(a)|": ["abs_dp_mean", "mismatch_dp_mean"], "mean divergence": ["divergence"],
+          "entropy of mu (nats)": ["entropy"], "completion length (tokens)": ["completion_len"],
+          "loss and gradient norm": ["loss", "grad_norm"], "groups with equal rewards (A = 0)": ["zero_adv_groups"],
+          "seconds per step": ["seconds"]}
 
 
 def log_step(run: Run, m: dict, greedy: list, batch: Optional[Batch] = None) -> None:

@@ -5043,6 +5043,18 @@ def test_the_twin_is_planned_and_freed_before_the_optimiser(warm_model):
     assert made and made[0]() is None  # (no cycle holds it: freed as check_twin returned)
 
 
+@requires_peft
+def test_a_checkpointed_model_held_in_bf16_is_decided_on_a_checkpointed_twin(tmp_path):
+    """--gradient_checkpointing on a LoRA over bf16 weights: checkpointed layers return no cache in training, so the
+    update cannot share a prompt; the float32 twin that decides it for the model is checkpointed as the model is,
+    and says so (a twin without it said "shares", and the first update raised)."""
+    model, _ = zoo_in_mode("llama", "lora_bf16_base", tmp_path)
+    assert dppo.check_twin(model, "m", 0.7)[1] is None  # (not checkpointed: the twin shares)
+    model.gradient_checkpointing_enable({"use_reentrant": False})
+    note, unshared = dppo.check_twin(model, "m", 0.7)
+    assert note.startswith("float32 load check on a twin") and "no cache" in unshared, unshared
+
+
 def test_a_twin_that_cannot_be_built_is_said_in_the_start_line_not_a_traceback(warm_model, tmp_path, capsys,
                                                                               monkeypatch):
     """A model held in bf16 whose first layers transformers cannot build alone: the float32 check is skipped and the
