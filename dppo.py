@@ -1465,7 +1465,7 @@ class GraphedDecoding:
 
     def __init__(self, model, compile: bool = True):
         params = inspect.signature(model.get_decoder().forward).parameters
-        self.cache_kw = "cache" if "cache" in params else "past_key_values"  # (transformers < 5.20: the latter)
+        self.cache_kw = cache_keyword(model.get_decoder())  # the decoder's own forward takes the static cache
         self.takes_cache_position = "cache_position" in params                 # (older transformers need it)
         self.model, self.length, self.rows, self.key, self.cache, self.compiled = model, 0, 0, None, None, compile
         self.step = torch.compile(self.forward, mode="reduce-overhead") if compile else self.forward
