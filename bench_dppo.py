@@ -224,9 +224,9 @@ def bench_train_step(args, device):
     ds, reward_fn = dppo.load_task(cfg)
     model, tok = dppo.load_model_and_tokenizer(cfg, device)
     through_head = dppo.check_scoring(model)
-    share = dppo.check_sharing(model, through_head) is None  # the paths a run takes (start_run)
+    decode_why, update_why = dppo.check_sharing(model, through_head)  # the paths a run takes (start_run)
     sampler = functools.partial(dppo.sample_with_topk, decoding=functools.partial(dppo.CachedDecoding,
-                                                                                 share_rows=share))
+                                                                                 share_rows=decode_why is None))
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, fused=device.type in ("cpu", "cuda"))
     rows = ds["train"][list(range(cfg.prompts_per_step))]
     batch = dppo.collect_rollout(model, tok, rows, reward_fn, cfg, sampler, generator=gen)
@@ -236,12 +236,12 @@ def bench_train_step(args, device):
             for idx in torch.arange(len(batch.advantages)).chunk(cfg.num_minibatches):
                 dppo.policy_logprobs(model, batch.prompt_ids[idx], batch.prompt_mask[idx],
                                      batch.rollout.completion_ids[idx], batch.rollout.completion_mask[idx],
-                                     through_head=through_head, share_prompts=share)
+                                     through_head=through_head, share_prompts=update_why is None)
 
     res = measure({"sample": lambda: dppo.collect_rollout(model, tok, rows, reward_fn, cfg, sampler, generator=gen),
                    "score": scoring,
                    "update": lambda: dppo.update_policy(model, opt, batch, cfg, gen, through_head=through_head,
-                                                        share_prompts=share)},
+                                                        share_prompts=update_why is None)},
                   device, args.repeats)
     (t_sample, _), (t_score, _), (t_update, _) = res["sample"], res["score"], res["update"]
     total = t_sample + t_update
@@ -307,7 +307,7 @@ def bench_phases(args, device, model, tok, ds, reward_fn, cfg):
     (memory-bound) and the reward have no FLOP floor. Then today's paths against the code's own, in the same run,
     and the regression's candidates."""
     through_head = dppo.check_scoring(model)
-    share = dppo.check_sharing(model, through_head) is None  # (SmolLM2: its cache shares prompts)
+    share = dppo.check_sharing(model, through_head) == (None, None)  # (SmolLM2: sampler and update share prompts)
     shared = functools.partial(dppo.CachedDecoding, share_rows=share)
     opt = torch.optim.AdamW(model.parameters(), lr=0.0, fused=device.type in ("cpu", "cuda"))  # lr 0: fixed work
     rows = ds["train"][list(range(cfg.prompts_per_step))]

@@ -39,6 +39,14 @@ if __name__ == "__main__":  # set first: the imports below take seconds, and a C
         os._exit(128 + signum)  # at once: an exception could be caught by an import; every file is written whole
     signal.signal(signal.SIGINT, exit_on_signal)
     signal.signal(signal.SIGTERM, exit_on_signal)
+    import atexit
+    exit_status = [1]  # the code the CLI ends with (an uncaught exception's unless the CLI sets it)
+
+    def end_process():  # registered first, so run last of the exit functions (threads joined, the others' run): the
+        sys.stdout.flush()  # interpreter's teardown after it, seconds under load, restores the default signal handling,
+        sys.stderr.flush()  # where a Ctrl-C would be death by the signal; Python does not promise it finalises anything
+        os._exit(exit_status[0])
+    atexit.register(end_process)
 
 import contextlib
 import copy
@@ -57,6 +65,7 @@ import re
 import runpy
 import shutil
 import tempfile
+import textwrap
 import time
 from dataclasses import dataclass, field
 from typing import Literal, Optional
@@ -470,8 +479,8 @@ def _draw(probs, u):
 
 
 def distinct_prompts(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> tuple:
-    """The distinct prompts among rows (B, P) (a group's rows share one) -> their ids and mask (U, P) each, and which of
-    them each row holds (B,)."""
+    """The distinct prompts among rows (B, P) (a group's rows share one): their ids (U, P), their mask (U, P), the
+    index (B,) of the one each row holds."""
     both, of = torch.unique(torch.cat([prompt_ids, prompt_mask.long()], -1), dim=0, return_inverse=True)  # (U, 2P)
     return both[:, :prompt_ids.shape[1]], both[:, prompt_ids.shape[1]:], of
 
@@ -950,6 +959,10 @@ def _why(e: BaseException) -> str:
     return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"  # an exception in one line
 
 
+def _short(e: BaseException) -> str:
+    return textwrap.shorten(_why(e), 100, placeholder=" ...")  # _why within a start line's note, cut between words
+
+
 def read_dataset(cfg: Config):
     """--task's file, directory of split files (train.*, test.*) or hub id (gsm8k: the hub's, or --data's files, its
     question made the prompt) -> a DatasetDict; one line naming it and why when it cannot be read."""
@@ -1252,53 +1265,59 @@ def check_scoring(model, name: str = "the model", temperature: float = 1.0, dtyp
     return through_head
 
 
-def check_twin(model, name: str, temperature: float) -> tuple[str, Optional[str]]:
+def check_twin(model, name: str, temperature: float) -> tuple[str, tuple]:
     """check_scoring and check_sharing in float32 on the float32_twin of a model held in bf16 (a defect shows above
     float32 rounding, hidden by bf16's); the twin is freed on return -> (the start line's note: the check, or why it
     was skipped; check_sharing's answer, the model's too: the same layers and caches)."""
     try:
         twin = float32_twin(model)
     except Exception as e:  # a config that cannot be cut, a layer list not found, weights that do not fit the cut
-        return f"float32 load check skipped: no float32 twin of its first layers ({_why(e)[:100]})", "no twin"
+        return f"float32 load check skipped: no float32 twin of its first layers ({_short(e)})", ("no twin",) * 2
     try:
         unshared = check_sharing(twin, check_scoring(twin, name, temperature))
     except ConfigError:  # the twin scores otherwise than it samples: so does the model
         raise
     except Exception as e:  # a twin that builds but cannot run (its cut config, a kernel): said, with the error's type
-        return f"float32 load check skipped: its float32 twin failed to run ({_why(e)[:100]})", "no twin"
+        return f"float32 load check skipped: its float32 twin failed to run ({_short(e)})", ("no twin",) * 2
     cut, layers = (m.config.get_text_config().num_hidden_layers for m in (twin, model))
     return f"float32 load check on a twin of its first {cut} of {layers} layers", unshared
 
 
-def check_sharing(model, through_head: bool) -> Optional[str]:
-    """Why the model cannot forward a prompt once for the rows that share it, or None when it can: its cache gathered
-    by row with the cache's own reorder_cache, tried in float32 on _check_prompts against the forward of every row,
-    at tokens it samples, the sampler's steps (rows leaving as they end: decoding_gap) and the update's log pi within
-    SHARING_GAP, and the update's gradient (each trained weight's norm) within it relative to the largest. No cache,
-    none with the method, a state updated in place that autograd refuses, or a gap: every row forwards its prompt."""
+def check_sharing(model, through_head: bool) -> tuple[Optional[str], Optional[str]]:
+    """Why the model's sampler, and why its update, cannot forward a prompt once for the rows that share it (None where
+    it can): its cache gathered by row with the cache's own reorder_cache, tried in float32 on _check_prompts against
+    the forward of every row, at tokens it samples: the sampler's steps (rows leaving as they end: decoding_gap) within
+    SHARING_GAP in log-prob; then the update's log pi within it, and its gradient (each trained weight's norm) within it
+    relative to the largest. No cache, none with the method or a gap: every row forwards its own prompt; in the update
+    also a state updated in place (autograd refuses it) or checkpointed layers (in training they return no cache)."""
     prompts, mask = _check_prompts(model)                                          # (6, 6) each
     tokens = sample_with_topk(model, prompts, mask, max_new_tokens=6, topk=0, eos_token_id=-1, pad_token_id=0,
                               generator=torch.Generator(model.device).manual_seed(0)).completion_ids  # (6, 6)
-    was_training, gaps = model.training, []
     try:
-        gaps.append(decoding_gap(model, CachedDecoding(model, prompts, mask, 6),
-                                 CachedDecoding(model, prompts, mask, 6, share_rows=True), tokens))
+        gap = decoding_gap(model, CachedDecoding(model, prompts, mask, 6),
+                           CachedDecoding(model, prompts, mask, 6, share_rows=True), tokens)
+    except Exception as e:  # no cache, or one without reorder_cache
+        return (_short(e),) * 2
+    if not gap <= SHARING_GAP["log-prob"]:
+        return (f"{gap:.2g} apart in log-prob",) * 2
+    was_training, runs = model.training, []
+    try:
         scoring_mode(model)  # (as update_policy scores)
-        trained, runs = [p for p in model.parameters() if p.requires_grad], []
+        trained = [p for p in model.parameters() if p.requires_grad]
         for share in (False, True):
             logp, _ = policy_logprobs(model, prompts, mask, tokens, torch.ones_like(tokens, dtype=torch.float32),
                                       through_head=through_head, share_prompts=share)        # (6, 6)
             grads = torch.autograd.grad(logp.sum(), trained, allow_unused=True)  # (None: a weight it does not use)
             runs.append((logp.detach(), torch.stack([logp.new_zeros(()) if g is None else g.norm() for g in grads])))
-    except Exception as e:  # no cache, one without reorder_cache, a state updated in place that autograd refuses
-        return _why(e)[:80]
+    except Exception as e:  # a state updated in place that autograd refuses, checkpointed layers' missing cache
+        return None, _short(e)
     finally:
         model.train(was_training)
     (logp, norms), (shared_logp, shared_norms) = runs
-    gaps += [float((logp - shared_logp).abs().max()), float((norms - shared_norms).abs().max() / norms.max())]
-    if max(gaps[:2]) <= SHARING_GAP["log-prob"] and gaps[2] <= SHARING_GAP["gradient"]:
-        return None
-    return f"{max(gaps[:2]):.2g} apart in log-prob, {gaps[2]:.2g} in gradient"
+    gaps = float((logp - shared_logp).abs().max()), float((norms - shared_norms).abs().max() / norms.max())
+    if gaps[0] <= SHARING_GAP["log-prob"] and gaps[1] <= SHARING_GAP["gradient"]:
+        return None, None
+    return None, f"{gaps[0]:.2g} apart in log-prob, {gaps[1]:.2g} in gradient"
 
 
 @torch.no_grad()
@@ -1536,7 +1555,7 @@ def choose_decoding(model, cfg: Config, through_head: bool, name: str, compile: 
             gap = decoding_gap(model, CachedDecoding(model, prompts, mask, 8), graphed(model, prompts, mask, 8),
                                tokens.completion_ids)
     except Exception as e:  # no static cache for its layers (Mamba's state)
-        return None, f"plain decode steps (a static cache does not serve it: {_why(e)[:100]})"
+        return None, f"plain decode steps (a static cache does not serve it: {_short(e)})"
     if not gap <= GRAPH_GAP[cfg.dtype]:
         return None, f"plain decode steps (its graphed steps sample {gap:.3g} apart in log-prob from its plain steps)"
     return graphed, "decode steps replayed as CUDA graphs from a static KV cache"
@@ -1832,14 +1851,19 @@ def switching_rope(model_config) -> Optional[tuple]:
 def _out_dir_errors(cfg: Config) -> list[str]:
     """A run never destroys another, nor the model it trains (_writes_over); a directory can be made where it writes.
     Nothing is left behind: a run refused later leaves no directory."""
-    held = [f for f in ("checkpoint.pt", "metrics.jsonl") if os.path.exists(os.path.join(cfg.out_dir, f))]
-    if held and not cfg.resume and not cfg.overwrite:
-        return [f"--out_dir {cfg.out_dir} holds a run ({', '.join(held)}): continue it with --resume, start afresh "
-                "with --overwrite, or pass a new --out_dir"]
     model, out = os.path.expanduser(cfg.model or ""), os.path.abspath(cfg.out_dir)
     if cfg.model and os.path.isdir(model) and _writes_over(cfg.out_dir, model):
         return [f"--model {cfg.model} lies inside --out_dir {cfg.out_dir}, whose model/ the run rewrites: pass another "
                 "--out_dir (train more from a run: --model RUN/model --out_dir NEW)"]
+    links = [n for n in (*RUN_FILES, *SCRATCH) if os.path.islink(os.path.join(cfg.out_dir, n))]
+    if links:  # (a link among the names the run writes: what it points at would be written through, or deleted)
+        target = os.readlink(os.path.join(cfg.out_dir, links[0]))
+        return [f"--out_dir {cfg.out_dir}: its {links[0]} is a link (to {target}), which the run would write through: "
+                "remove the link, or pass a new --out_dir"]
+    held = [f for f in ("checkpoint.pt", "metrics.jsonl") if os.path.exists(os.path.join(cfg.out_dir, f))]
+    if held and not cfg.resume and not cfg.overwrite:
+        return [f"--out_dir {cfg.out_dir} holds a run ({', '.join(held)}): continue it with --resume, start afresh "
+                "with --overwrite, or pass a new --out_dir"]
     try:  # the missing parts, as named, made in a directory made and removed where the run will make its own
         while not os.path.lexists(out):  # out: now the nearest part of the path that exists (a link counts)
             out = os.path.dirname(out)
@@ -1854,7 +1878,7 @@ def _writes_over(out_dir: str, model: str) -> bool:
     """Whether a directory the run writes (out_dir, its model/, model.tmp, model.old, replaced/) is the model's
     directory or holds it, compared by identity (device and inode: os.path.samefile), as the kernel finds each path:
     through links, `<link>/..` (the link followed before the ..) and bind mounts, which no comparison of names sees."""
-    written = [out_dir] + [os.path.join(out_dir, name) for name in ("model", "model.tmp", "model.old", REPLACED)]
+    written = [out_dir] + [os.path.join(out_dir, name) for name in ("model", *SCRATCH)]
     holders = []  # the model's directory and each directory above it, by its name as given and with links resolved
     for path in (os.path.abspath(model), os.path.realpath(model)):
         while path not in holders:
@@ -1916,6 +1940,8 @@ RESUME_FIXED = ("model", "task", "reward", "data", "digits", "eval_size", "promp
                 "lora_r", "lora_alpha", "lora_targets")
 RUN_FILES = ("checkpoint.pt", "metrics.jsonl", "samples.jsonl", "model", "curves.png")  # what a run writes
 REPLACED = "replaced"  # out_dir/replaced/: the run an --overwrite replaces, kept until the new run logs a step
+# what a run writes on its way to RUN_FILES: renamed into place, or removed
+SCRATCH = ("checkpoint.pt.tmp", "metrics.jsonl.tmp", "samples.jsonl.tmp", "model.tmp", "model.old", REPLACED)
 
 
 @dataclass
@@ -2062,14 +2088,16 @@ def start_run(cfg: Config, given: Optional[set], sampler=None, dataset=None, rew
         model.gradient_checkpointing_enable({"use_reentrant": False})
     name = f"--model {cfg.model}" if cfg.model else "the embedded model"
     bf16_weights = cfg.weights == "bfloat16"  # float32 first, on a twin: its checks, and whether it shares prompts
-    twin_note, unshared = check_twin(model, name, cfg.temperature) if bf16_weights else (None, None)
+    twin_note, unshared = check_twin(model, name, cfg.temperature) if bf16_weights else (None, (None, None))
     through_head = check_scoring(model, name, cfg.temperature, cfg.dtype)  # sampled = scored, in the run's precision
     if not bf16_weights:  # (a model held in bf16: as its float32 twin found)
         unshared = check_sharing(model, through_head)
-    decoding, decode_note = functools.partial(CachedDecoding, share_rows=unshared is None), None  # (CPU, MPS)
+    decode_why, update_why = unshared  # why the sampler, why the update does not share prompts (None: it does)
+    decoding, decode_note = functools.partial(CachedDecoding, share_rows=decode_why is None), None  # (CPU, MPS)
     if device.type == "cuda" and not cfg.use_vllm:  # the graphed steps, where chosen, keep a fixed batch
         graphed, decode_note = choose_decoding(model, cfg, through_head, name)
         decoding = graphed or decoding
+        decode_why = "a graphed decode computes a fixed batch" if graphed else decode_why
     if not through_head and cfg.max_tokens_per_microbatch is None:  # its own (B, T, V) logits: bound them by default
         V = model.get_output_embeddings().weight.shape[0]
         cfg = dataclasses.replace(cfg, max_tokens_per_microbatch=max(1, OWN_LOGITS_BYTES // (3 * 4 * V)))
@@ -2090,9 +2118,8 @@ def start_run(cfg: Config, given: Optional[set], sampler=None, dataset=None, rew
                                    sleep=device.type == "cuda")
     sampler = sampler or eval_sampler
     run = Run(cfg, model, tok, opt, ds, reward_fn, gen, sample_gen, sampler, eval_sampler, through_head,
-              unshared is None)
-    share_note = ("each prompt forwarded once for its group, ended rows leaving the decode" if unshared is None
-                  else f"each row forwards its own prompt (a shared one: {unshared})")
+              update_why is None)
+    share_note = sharing_note(None if cfg.use_vllm else decode_why, update_why)  # (vLLM: its prefix cache shares)
     print(f"{cfg.model or 'embedded model'}: lr {cfg.lr:g}{' (its default; --lr to change)' if default_lr else ''}, "
           f"{held_in(model, cfg)}, {cfg.dtype} trainer{f' ({twin_note})' if twin_note else ''}, "
           f"{f'vLLM {cfg.vllm_dtype}' if cfg.use_vllm else 'the policy as'} sampler, "
@@ -2106,6 +2133,19 @@ def start_run(cfg: Config, given: Optional[set], sampler=None, dataset=None, rew
         save_checkpoint(run, 0)  # a run stopped in any later step can be resumed
         print(f"held-out greedy accuracy at start: {run.acc0:.3f}{f' after {steps} warm-start steps' if steps else ''}")
     return run
+
+
+def sharing_note(decode_why: Optional[str], update_why: Optional[str]) -> str:
+    """The start line's account of where a prompt its rows share is forwarded once: check_sharing's answers."""
+    if decode_why is None and update_why is None:
+        return "each prompt forwarded once for its group, ended rows leaving the decode"
+    if decode_why is None:
+        return (f"the sampler prefills each prompt once for its group, ended rows leaving the decode; the update "
+                f"forwards each row's own prompt ({update_why})")
+    if update_why is None:
+        return f"the update forwards each prompt once for its group; the sampler each row's ({decode_why})"
+    why = decode_why if decode_why == update_why else f"the sampler: {decode_why}; the update: {update_why}"
+    return f"each row forwards its own prompt ({why})"
 
 
 def set_aside(out_dir: str) -> None:
@@ -2306,16 +2346,22 @@ def finish_run(run: Run) -> dict:
 if __name__ == "__main__":
     from transformers import HfArgumentParser
     parser = HfArgumentParser(Config, allow_abbrev=False)  # exact names: --resume needs to know what was typed
-    config, unknown = parser.parse_args_into_dataclasses(return_remaining_strings=True)
-    if unknown:
-        sys.exit(f"error: unknown arguments {unknown} (python dppo.py --help lists the flags)")
     try:
+        config, unknown = parser.parse_args_into_dataclasses(return_remaining_strings=True)
+        if unknown:
+            sys.exit(f"error: unknown arguments {unknown} (python dppo.py --help lists the flags)")
         train(config, given={a[2:].split("=")[0] for a in sys.argv[1:] if a.startswith("--")})
+        exit_status[0] = 0
     except ConfigError as e:  # refused before any work: the reason alone, no traceback
+        exit_status[0] = 1
         sys.exit(f"error: {e}")
     except Stop as e:  # stopped early, after saving what can be saved: the reason alone
         print(f"error: {e}" if e.code == 1 else str(e), file=sys.stderr)
+        exit_status[0] = e.code
         sys.exit(e.code)
+    except SystemExit as e:  # --help (0), a flag the parser refuses (2), unknown arguments (1)
+        exit_status[0] = e.code if isinstance(e.code, int) else int(e.code is not None)
+        raise
     finally:  # the run is over, its files whole: a signal until the process ends (a reward's thread still running,
-        for stop_signal in (signal.SIGINT, signal.SIGTERM):  # the interpreter's exit) stops it at once, in one line
+        for stop_signal in (signal.SIGINT, signal.SIGTERM):  # the exit functions) stops it at once, in one line
             signal.signal(stop_signal, exit_on_signal)

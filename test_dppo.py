@@ -3803,9 +3803,9 @@ def test_mini_batches_partition_the_rows_shuffled(monkeypatch):
     batch = uneven_batch(None, V, B=12)
     seen, score = [], dppo.score_rows
 
-    def spy(model, batch, i, cfg, through_head=False):
+    def spy(model, batch, i, cfg, through_head=False, share_prompts=False):
         seen.append(sorted(i.tolist()))
-        return score(model, batch, i, cfg, through_head)
+        return score(model, batch, i, cfg, through_head, share_prompts)
     monkeypatch.setattr(dppo, "score_rows", spy)
     orders = []
     for seed in (1, 2):
@@ -3827,9 +3827,9 @@ def test_exactly_M_optimiser_steps_each_its_own_token_mean(monkeypatch, rows, M,
     batch = uneven_batch(None, V, B=rows)
     seen, score = [], dppo.score_rows
 
-    def spy(model, batch, i, cfg, through_head=False):
+    def spy(model, batch, i, cfg, through_head=False, share_prompts=False):
         seen.append(i.clone())
-        return score(model, batch, i, cfg, through_head)
+        return score(model, batch, i, cfg, through_head, share_prompts)
     monkeypatch.setattr(dppo, "score_rows", spy)
     model = tiny_model("llama", V=V)
     opt = RecordingSGD(model.parameters())
@@ -4585,7 +4585,7 @@ def test_the_float32_check_of_bf16_weights_refuses_a_decode_step_one_position_of
         assert dppo.check_scoring(model, "my model", dtype="bfloat16") is True  # (bf16's allowance hides the defect)
         if not defect:
             assert dppo.check_twin(model, "my model", 1.0) == ("float32 load check on a twin of its first 1 of 4 "
-                                                               "layers", None)
+                                                               "layers", (None, None))
             continue
         with pytest.raises(dppo.ConfigError, match=r"^my model \(OnePositionOff\) scores the tokens it sampled "
                            r"0\.0\d+ apart in log-prob before any update in float32 \(allowed 0\.001\): "):
@@ -4714,6 +4714,38 @@ def test_a_signal_after_the_run_stops_a_process_a_reward_s_thread_keeps_alive(wa
     assert [r["step"] for r in read_metrics(tmp_path / "out")] == [0, 1]
 
 
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_in_the_interpreter_s_teardown_is_never_death_by_the_signal(warm_model, tmp_path, signum):
+    """The interpreter's teardown (modules cleared, objects finalised: seconds under load) runs with Python's default
+    signal handling restored; a reward module whose object takes 8 s to finalise puts a signal sent 1 s after the
+    run's summary line there. The process ends with 0 (the run done) or 128 + the signal and one line, never killed
+    by the signal (-signum), and well within the 8 s."""
+    (tmp_path / "r.py").write_text(textwrap.dedent("""\
+        import time
+        class SlowToFinalise:
+            def __del__(self):
+                time.sleep(8)
+        kept = SlowToFinalise()
+        def reward(prompts, completions, answer, **kw):
+            return [float(c.strip() == a) for c, a in zip(completions, answer)]
+        """))
+    proc = _cli(["dppo.py", "--model", warm_model[0], "--out_dir", str(tmp_path / "out"), "--steps", "1",
+                 "--prompts_per_step", "4", "--eval_size", "20", "--reward", f"{tmp_path / 'r.py'}:reward"],
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    for line in proc.stdout:  # up to the run's summary line: the run is over, its files written
+        if line.startswith("held-out greedy accuracy: ") and "->" in line:
+            break
+    time.sleep(1.0)
+    with contextlib.suppress(ProcessLookupError):
+        proc.send_signal(signum)
+    sent = time.time()
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode in (0, 128 + signum) and time.time() - sent < 6, (proc.returncode, stderr[-2000:])
+    if proc.returncode:
+        assert stderr.strip().splitlines()[-1] == f"stopped by {signal.Signals(signum).name}", stderr[-2000:]
+    assert "Traceback" not in stderr and [r["step"] for r in read_metrics(tmp_path / "out")] == [0, 1]
+
+
 def test_a_checkpoint_an_older_dppo_py_wrote_resumes(warm_model, tmp_path, capsys):
     """A checkpoint with the keys dppo.py wrote before it recorded the sampler's device (no sample_device; its config
     without the flags added since, with the flags removed since, each at the value it ran with) resumes: the
@@ -4804,10 +4836,11 @@ def test_a_model_dir_save_killed_twice_keeps_the_model(tmp_path, monkeypatch):
 
 # --------------------------------------- every family, every mode: the load path, the float32 twin, one optimiser step
 MODES = ("float32", "bf16_autocast", "lora_bf16_base", "lora")
-# the families whose cache cannot serve a prompt to the rows that share it (what check_sharing found, pinned here):
-# RecurrentGemma returns no cache; the linear-attention and Mamba-1 states are updated in place (autograd refuses
-# it) or take one token at a time
-UNSHARED = ("recurrent_gemma", "qwen3_5", "qwen3_next", "mamba", "falcon_mamba")
+# the families whose cache cannot serve a prompt to the rows that share it (what check_sharing found, pinned here): in
+# sampling, RecurrentGemma (it returns no cache); in the update, also the linear-attention and Mamba-1 states, updated
+# in place (autograd refuses it) or taking one token at a time in training
+UNSHARED_SAMPLING = ("recurrent_gemma",)
+UNSHARED_UPDATE = ("recurrent_gemma", "qwen3_5", "qwen3_next", "mamba", "falcon_mamba")
 
 
 def lora_targets(model) -> str:
@@ -4851,7 +4884,7 @@ def zoo_in_mode(name, mode, tmp_path):
 def test_every_family_loads_and_takes_an_optimiser_step_in_every_mode(name, mode, tmp_path):
     """Every zoo family (four layers or more, each in its shipped layer pattern) in every mode a run holds it in: the
     load check start_run makes passes (a model held in bf16: first in float32 on its twin, which builds) and finds
-    the cache shares prompts but where UNSHARED says it cannot; with the paths it chose, the sampler (each distinct
+    the cache shares prompts but where UNSHARED_* say it cannot; with the paths it chose, the sampler (each distinct
     prompt prefilled once, ended rows leaving the decode) draws what today's draws in float32 and captures log mu,
     and the update's shared-prompt forward scores log pi, as today's full forward does (float32 rounding; bf16's
     allowance in bf16), the gradient too (1e-4 of its scale; bf16: 0.1); one update_policy step on that rollout
@@ -4873,14 +4906,15 @@ def test_every_family_loads_and_takes_an_optimiser_step_in_every_mode(name, mode
     through_head = dppo.check_scoring(model, name, temperature=0.7, dtype=cfg.dtype)
     if not bf16_weights:
         unshared = dppo.check_sharing(model, through_head)
-    share = unshared is None  # each prompt forwarded once, in sampling and in the update, where the cache allows
-    assert share == (name not in UNSHARED), unshared
+    sampling, share = (why is None for why in unshared)  # each prompt forwarded once, where the cache allows
+    assert (sampling, share) == (name not in UNSHARED_SAMPLING, name not in UNSHARED_UPDATE), unshared
     allowed = F32_DP if cfg.dtype == "float32" else dppo.SCORING_GAP["bfloat16 weights" if bf16_weights else "bfloat16"]
     with dppo.trainer_precision("cpu", cfg.dtype):
         _, _, first = zoo_rollout(model)
         eos = [1, int(first.completion_ids[0, 2]), int(first.completion_ids[1, 4])]  # rows 0 and 1 end early
         _, _, plain_ro = zoo_rollout(model, eos=eos)                                 # today's: every row, every step
-        ids, mask, ro = zoo_rollout(model, eos=eos, decoding=functools.partial(dppo.CachedDecoding, share_rows=share))
+        ids, mask, ro = zoo_rollout(model, eos=eos, decoding=functools.partial(dppo.CachedDecoding,
+                                                                               share_rows=sampling))
         dppo.scoring_mode(model)
         scored = {s: dppo.policy_logprobs(model, ids, mask, ro.completion_ids, ro.completion_mask, temperature=0.7,
                                           through_head=through_head, share_prompts=s)[0] for s in {False, share}}
@@ -5046,13 +5080,38 @@ def test_the_twin_is_planned_and_freed_before_the_optimiser(warm_model):
 @requires_peft
 def test_a_checkpointed_model_held_in_bf16_is_decided_on_a_checkpointed_twin(tmp_path):
     """--gradient_checkpointing on a LoRA over bf16 weights: checkpointed layers return no cache in training, so the
-    update cannot share a prompt; the float32 twin that decides it for the model is checkpointed as the model is,
-    and says so (a twin without it said "shares", and the first update raised)."""
+    update cannot share a prompt (the sampler, in eval mode, still does); the float32 twin that decides it for the model
+    is checkpointed as the model is, and says so (a twin without it said "shares", and the first update raised)."""
     model, _ = zoo_in_mode("llama", "lora_bf16_base", tmp_path)
-    assert dppo.check_twin(model, "m", 0.7)[1] is None  # (not checkpointed: the twin shares)
+    assert dppo.check_twin(model, "m", 0.7)[1] == (None, None)  # (not checkpointed: the twin shares)
     model.gradient_checkpointing_enable({"use_reentrant": False})
-    note, unshared = dppo.check_twin(model, "m", 0.7)
-    assert note.startswith("float32 load check on a twin") and "no cache" in unshared, unshared
+    note, (sampling, update) = dppo.check_twin(model, "m", 0.7)
+    assert note.startswith("float32 load check on a twin") and sampling is None and "no cache" in update, update
+
+
+def test_with_gradient_checkpointing_the_sampler_still_forwards_each_prompt_once(warm_model, tmp_path, capsys,
+                                                                                 monkeypatch):
+    """--gradient_checkpointing takes the cache from the update alone (checkpointed layers return none in training):
+    the run's sampler still prefills each distinct prompt once, as counted on the model's own forward (the first call
+    of the rollout of 4 prompts x 8 rows has 4 rows, and no later call more than 32), and the start line says which
+    path shares and why the other does not."""
+    rollouts, collect = [], dppo.collect_rollout
+
+    def counting(model, *args, **kw):
+        calls = []
+        hook = model.register_forward_pre_hook(lambda m, a, kwargs: calls.append(kwargs["input_ids"].shape[0]),
+                                               with_kwargs=True)
+        try:
+            return collect(model, *args, **kw)
+        finally:
+            hook.remove()
+            rollouts.append(calls)
+    monkeypatch.setattr(dppo, "collect_rollout", counting)
+    dppo.train(small_cfg(warm_model, tmp_path, steps=1, eval_size=8, prompts_per_step=4, gradient_checkpointing=True))
+    out = capsys.readouterr().out
+    assert "the sampler prefills each prompt once for its group, ended rows leaving the decode; the update forwards " \
+        "each row's own prompt (ValueError: share_prompts: the model returned no cache" in out, out
+    assert len(rollouts) == 1 and rollouts[0][0] == 4 and max(rollouts[0][1:]) <= 32, rollouts
 
 
 def test_a_twin_that_cannot_be_built_is_said_in_the_start_line_not_a_traceback(warm_model, tmp_path, capsys,
@@ -5086,7 +5145,7 @@ def test_a_twin_that_builds_but_fails_to_run_is_said_not_a_traceback(name, tmp_p
         return twin
     monkeypatch.setattr(dppo, "float32_twin", failing_twin)
     assert dppo.check_twin(model, name, 0.7) == ("float32 load check skipped: its float32 twin failed to run "
-                                                 "(RuntimeError: a kernel refused it)", "no twin")
+                                                 "(RuntimeError: a kernel refused it)", ("no twin",) * 2)
     monkeypatch.setattr(dppo, "check_scoring", lambda *a, **kw: (_ for _ in ()).throw(dppo.ConfigError("apart")))
     with pytest.raises(dppo.ConfigError, match="^apart$"):
         dppo.check_twin(model, name, 0.7)
@@ -5193,6 +5252,46 @@ def test_a_model_reached_through_a_link_is_refused_and_stays_whole(warm_model, t
     assert sorted(p.name for p in real.iterdir()) == (["model", "other"] if "sibling" in layout else ["model"])
     if layout == "model is a chain of links in out_dir":
         assert sorted(p.name for p in out.iterdir()) == ["model"] and (out / "model").is_symlink()
+
+
+@pytest.mark.parametrize("name", ["checkpoint.pt", "metrics.jsonl", "samples.jsonl", "model", "curves.png",
+                                  "checkpoint.pt.tmp", "metrics.jsonl.tmp", "samples.jsonl.tmp", "model.tmp",
+                                  "model.old", "replaced"])
+def test_a_link_among_the_names_a_run_writes_is_refused_its_target_whole(warm_model, tmp_path, name):
+    """A link in --out_dir under a name the run writes (a file or directory of its own, or one it writes on the way:
+    renamed into place or removed) points at something of the user's the run would write through or delete: a first
+    run or --overwrite is refused in one line before any work, the target as it was (--resume: the next test)."""
+    target = tmp_path / "theirs"
+    target.mkdir()
+    (target / "config.json").write_text('{"theirs": 1}')
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / name).symlink_to(target if name in ("model", "model.tmp", "model.old", "replaced") else
+                            target / "config.json")
+    for flags in ([], ["--overwrite"]):
+        line = _refused_in_process(["--model", warm_model[0], "--steps", "1", *flags], out)
+        assert f"its {name} is a link (to {target}" in line, line
+    assert _hashes(target) == {"config.json": b'{"theirs": 1}'} and sorted(p.name for p in out.iterdir()) == [name]
+
+
+def test_a_resumed_run_does_not_write_through_a_link_planted_among_its_files(warm_model, tmp_path):
+    """From the command line: a run of one step, then its curves.png made a link to a file of the user's; --resume
+    is refused with 1 and one line, and the file is as it was."""
+    out = tmp_path / "out"
+    args = ["dppo.py", "--model", warm_model[0], "--out_dir", str(out), "--prompts_per_step", "4", "--eval_size", "8",
+            "--quiet"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    first = subprocess.run([sys.executable, *args, "--steps", "1"], cwd=ROOT, capture_output=True, text=True,
+                           timeout=600, env=env)
+    assert first.returncode == 0, first.stderr[-2000:]
+    (tmp_path / "notes.txt").write_text("mine")
+    (out / "curves.png").unlink()
+    (out / "curves.png").symlink_to(tmp_path / "notes.txt")
+    again = subprocess.run([sys.executable, *args, "--steps", "2", "--resume"], cwd=ROOT, capture_output=True,
+                           text=True, timeout=600, env=env)
+    assert again.returncode == 1 and "its curves.png is a link" in again.stderr.strip().splitlines()[-1], \
+        again.stderr[-2000:]
+    assert (tmp_path / "notes.txt").read_text() == "mine" and [r["step"] for r in read_metrics(out)] == [0, 1]
 
 
 def test_an_out_dir_that_is_the_model_s_parent_by_identity_alone_is_refused(warm_model, tmp_path, monkeypatch):

@@ -263,7 +263,7 @@ def sharing(tok_dir: str, smoke: bool) -> list:
     ids, mask = dppo.encode_prompts(tok, [q for q in prompts for _ in range(G)], device)
     eos = list(range(0, model.config.vocab_size, 8))
     through_head = dppo.check_scoring(model)
-    unshared = dppo.check_sharing(model, through_head)
+    unshared = dppo.check_sharing(model, through_head)  # (why the sampler, why the update cannot share; None: it can)
     cfg = dppo.Config(group_size=G, num_minibatches=M, max_new_tokens=T, dtype="bfloat16", lr=0.0)
     opt = torch.optim.AdamW(model.parameters(), lr=0.0)
 
@@ -296,14 +296,14 @@ def sharing(tok_dir: str, smoke: bool) -> list:
     def update(share):
         dppo.update_policy(model, opt, batch, cfg, torch.Generator().manual_seed(0), through_head=through_head,
                            share_prompts=share)
-    ro = sample(unshared is None)
+    ro = sample(unshared[0] is None)
     rewards = torch.tensor(varied_reward(None, ro.completion_ids.tolist()), dtype=torch.float32)
     batch = dppo.Batch(ids, mask, ro, rewards, dppo.group_advantages(rewards, G).to(device))
-    rows = [{"sharing": "allowed" if unshared is None else f"refused: {unshared}",
+    rows = [{"sharing": "allowed" if unshared == (None, None) else f"refused: {unshared}",
              "completion_tokens": int(ro.completion_mask.sum()), "rows": len(ids)}]
     for path, fn in (("prefill", prefill), ("sampling", sample), ("update", update)):
         today, today_peak = timed(functools.partial(fn, False))
-        shared, shared_peak = timed(functools.partial(fn, unshared is None))
+        shared, shared_peak = timed(functools.partial(fn, unshared[path == "update"] is None))
         rows.append({"path": path, "today_s": today, "shared_s": shared, "today_over_shared": today / shared,
                      "today_peak_gib": today_peak, "shared_peak_gib": shared_peak})
         print(json.dumps(rows[-1]), flush=True)
