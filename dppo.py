@@ -40,11 +40,21 @@ if __name__ == "__main__":  # set first: the imports below take seconds, and a C
     signal.signal(signal.SIGINT, exit_on_signal)
     signal.signal(signal.SIGTERM, exit_on_signal)
     import atexit
+    import gc
+    import io
     exit_status = [1]  # the code the CLI ends with (an uncaught exception's unless the CLI sets it)
 
-    def end_process():  # registered first, so run last of the exit functions (threads joined, the others' run): the
-        sys.stdout.flush()  # interpreter's teardown after it, seconds under load, restores the default signal handling,
-        sys.stderr.flush()  # where a Ctrl-C would be death by the signal; Python does not promise it finalises anything
+    def end_process():
+        """The CLI's end, registered first so that it runs last of the exit functions (after the non-daemon threads
+        and every other exit function): each file left open is flushed (a reward's log, stdout), then the process
+        ends with exit_status. The interpreter's teardown is skipped: it first restores Python's default signal
+        handling, so that a Ctrl-C in its seconds under load would kill the process without a word."""
+        for f in gc.get_objects():
+            if issubclass(type(f), io.IOBase) and not f.closed:  # (by type: an object's __class__ can warn)
+                try:
+                    f.flush()
+                except (OSError, ValueError):  # a closed pipe, a detached buffer
+                    pass
         os._exit(exit_status[0])
     atexit.register(end_process)
 

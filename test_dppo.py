@@ -11,6 +11,7 @@ import json
 import math
 import os
 import re
+import shlex
 import shutil
 import signal
 import statistics
@@ -4744,6 +4745,27 @@ def test_a_signal_in_the_interpreter_s_teardown_is_never_death_by_the_signal(war
     if proc.returncode:
         assert stderr.strip().splitlines()[-1] == f"stopped by {signal.Signals(signum).name}", stderr[-2000:]
     assert "Traceback" not in stderr and [r["step"] for r in read_metrics(tmp_path / "out")] == [0, 1]
+
+
+def test_what_a_reward_module_left_unflushed_is_written_when_the_cli_ends(warm_model, tmp_path):
+    """The CLI ends without the interpreter's teardown (end_process), which would have flushed the files left open: a
+    reward module's log opened at import and never flushed or closed still holds a line per call once the run exits
+    0; with stdout closed the end says nothing (--help: 0, no 'Exception ignored')."""
+    (tmp_path / "r.py").write_text(textwrap.dedent(f"""\
+        log = open({str(tmp_path / 'calls.txt')!r}, "w")
+        def reward(prompts, completions, answer, **kw):
+            log.write(f"{{len(completions)}}\\n")
+            return [float(c.strip() == a) for c, a in zip(completions, answer)]
+        """))
+    out = subprocess.run([sys.executable, "dppo.py", "--model", warm_model[0], "--out_dir", str(tmp_path / "out"),
+                          "--steps", "1", "--prompts_per_step", "4", "--eval_size", "8", "--quiet", "--reward",
+                          f"{tmp_path / 'r.py'}:reward"], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert (tmp_path / "calls.txt").read_text().split() == ["2", "8", "32", "8"]  # probe, start, rollout, end
+    closed = subprocess.run(f"{shlex.quote(sys.executable)} dppo.py --help >&-", shell=True, cwd=ROOT,
+                            capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert closed.returncode == 0 and "Exception ignored" not in closed.stderr, closed.stderr[-2000:]
 
 
 def test_a_checkpoint_an_older_dppo_py_wrote_resumes(warm_model, tmp_path, capsys):
