@@ -4684,6 +4684,25 @@ def test_a_second_ctrl_c_while_the_cli_exits_ends_it_with_130_and_no_traceback(w
     assert torch.load(tmp_path / "out" / "checkpoint.pt", weights_only=True)["step"] == 1  # the first one's save
 
 
+def _signal_after_the_summary(warm_model, tmp_path, signum):
+    """python dppo.py, one step with the reward function in tmp_path/r.py; `signum` sent 1 s after the run's summary
+    line (the run over, its files written). -> (the exit status, stderr, seconds from the signal to the process's end,
+    whether the process was still running when the signal was sent)."""
+    proc = _cli(["dppo.py", "--model", warm_model[0], "--out_dir", str(tmp_path / "out"), "--steps", "1",
+                 "--prompts_per_step", "4", "--eval_size", "20", "--reward", f"{tmp_path / 'r.py'}:reward"],
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    for line in proc.stdout:
+        if line.startswith("held-out greedy accuracy: ") and "->" in line:
+            break
+    time.sleep(1.0)
+    alive = proc.poll() is None
+    with contextlib.suppress(ProcessLookupError):
+        proc.send_signal(signum)
+    sent = time.time()
+    _, stderr = proc.communicate(timeout=60)
+    return proc.returncode, stderr, time.time() - sent, alive
+
+
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_a_signal_after_the_run_stops_a_process_a_reward_s_thread_keeps_alive(warm_model, tmp_path, signum):
     """A reward module that leaves a non-daemon thread running (an HTTP judge's worker) keeps the process alive after
@@ -4698,19 +4717,8 @@ def test_a_signal_after_the_run_stops_a_process_a_reward_s_thread_keeps_alive(wa
                 workers[0].start()
             return [float(c.strip() == a) for c, a in zip(completions, answer)]
         """))
-    proc = _cli(["dppo.py", "--model", warm_model[0], "--out_dir", str(tmp_path / "out"), "--steps", "1",
-                 "--prompts_per_step", "4", "--eval_size", "20", "--reward", f"{tmp_path / 'r.py'}:reward"],
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    for line in proc.stdout:  # up to the run's summary line: the run is over, its files written
-        if line.startswith("held-out greedy accuracy: ") and "->" in line:
-            break
-    time.sleep(1.0)  # (the interpreter now waits on the worker)
-    assert proc.poll() is None
-    proc.send_signal(signum)
-    sent = time.time()
-    stdout, stderr = proc.communicate(timeout=60)
-    waited = time.time() - sent
-    assert proc.returncode == 128 + signum and waited < 30, (waited, stderr[-2000:])
+    returncode, stderr, waited, alive = _signal_after_the_summary(warm_model, tmp_path, signum)
+    assert alive and returncode == 128 + signum and waited < 30, (waited, stderr[-2000:])  # (alive: waiting on it)
     assert stderr.strip().splitlines()[-1] == f"stopped by {signal.Signals(signum).name}" and "Traceback" not in stderr
     assert [r["step"] for r in read_metrics(tmp_path / "out")] == [0, 1]
 
@@ -4730,19 +4738,9 @@ def test_a_signal_in_the_interpreter_s_teardown_is_never_death_by_the_signal(war
         def reward(prompts, completions, answer, **kw):
             return [float(c.strip() == a) for c, a in zip(completions, answer)]
         """))
-    proc = _cli(["dppo.py", "--model", warm_model[0], "--out_dir", str(tmp_path / "out"), "--steps", "1",
-                 "--prompts_per_step", "4", "--eval_size", "20", "--reward", f"{tmp_path / 'r.py'}:reward"],
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    for line in proc.stdout:  # up to the run's summary line: the run is over, its files written
-        if line.startswith("held-out greedy accuracy: ") and "->" in line:
-            break
-    time.sleep(1.0)
-    with contextlib.suppress(ProcessLookupError):
-        proc.send_signal(signum)
-    sent = time.time()
-    stdout, stderr = proc.communicate(timeout=60)
-    assert proc.returncode in (0, 128 + signum) and time.time() - sent < 6, (proc.returncode, stderr[-2000:])
-    if proc.returncode:
+    returncode, stderr, waited, _ = _signal_after_the_summary(warm_model, tmp_path, signum)
+    assert returncode in (0, 128 + signum) and waited < 6, (returncode, stderr[-2000:])
+    if returncode:
         assert stderr.strip().splitlines()[-1] == f"stopped by {signal.Signals(signum).name}", stderr[-2000:]
     assert "Traceback" not in stderr and [r["step"] for r in read_metrics(tmp_path / "out")] == [0, 1]
 
