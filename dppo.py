@@ -1992,11 +1992,14 @@ def save_checkpoint(run: Run, step: int) -> None:
 
 
 def resolve_resume(cfg: Config, given: Optional[set] = None) -> Config:
-    """A new run gets its own out_dir (runs/dppo-<date>-<time>) unless given one. --resume: flags not typed (`given`;
-    None: those at their default) take the checkpoint's value; another model or batch shape, or a checkpoint or log
-    dppo.py did not write whole, is refused. Reads only: changes no file."""
+    """A new run gets its own out_dir (runs/dppo-<date>-<time>) unless given one (a leading ~ expanded, as for --model:
+    `--out_dir=~/run` reaches dppo.py unexpanded). --resume: flags not typed (`given`; None: those at their default)
+    take the checkpoint's value; another model or batch shape, or a checkpoint or log dppo.py did not write whole, is
+    refused. Reads only: changes no file."""
     if cfg.out_dir is None and cfg.resume:
         raise ConfigError("--resume needs --out_dir: the directory of the run to continue")
+    if cfg.out_dir is not None:
+        cfg = dataclasses.replace(cfg, out_dir=os.path.expanduser(cfg.out_dir))
     if not cfg.resume:  # a new run: its own directory unless given one
         return dataclasses.replace(cfg, out_dir=cfg.out_dir or time.strftime(f"runs/dppo-%Y%m%d-%H%M%S-{os.getpid()}"))
     path, log = os.path.join(cfg.out_dir, "checkpoint.pt"), os.path.join(cfg.out_dir, "metrics.jsonl")

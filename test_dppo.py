@@ -5274,6 +5274,19 @@ def test_a_model_reached_through_a_link_is_refused_and_stays_whole(warm_model, t
         assert sorted(p.name for p in out.iterdir()) == ["model"] and (out / "model").is_symlink()
 
 
+def test_an_out_dir_typed_with_a_tilde_is_the_home_directory_s(warm_model, tmp_path, monkeypatch):
+    """--out_dir=~/run reaches dppo.py as typed (the shell expands ~ only at a word's start): the run's files go to
+    $HOME/run, as --model's ~ does, and no directory named ~ is made where the run started (one a user might then
+    remove with rm -rf ~); --resume finds the run the same way."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "home").mkdir()
+    dppo.train(small_cfg(warm_model, "~/run", steps=1, eval_size=8, prompts_per_step=4))
+    dppo.train(small_cfg(warm_model, "~/run", steps=2, eval_size=8, prompts_per_step=4, resume=True))
+    assert [r["step"] for r in read_metrics(tmp_path / "home" / "run")] == [0, 1, 2]
+    assert not (tmp_path / "~").exists()
+
+
 @pytest.mark.parametrize("name", ["checkpoint.pt", "metrics.jsonl", "samples.jsonl", "model", "curves.png",
                                   "checkpoint.pt.tmp", "metrics.jsonl.tmp", "samples.jsonl.tmp", "model.tmp",
                                   "model.old", "replaced"])
